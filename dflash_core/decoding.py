@@ -1,0 +1,277 @@
+"""The one speculative decode loop: draft -> propose -> verify -> commit.
+
+Plain decoding, DFlash (a chain) and DDTree (a tree) all run through :func:`speculative_generate`; they differ only in
+the *proposal policy*, which turns the drafter's per-position logits into a tree of draft tokens:
+
+* :class:`NoDraft`  proposes nothing: every round verifies just the root, i.e. autoregressive decoding;
+* :class:`Chain`    proposes the drafter's top-1 token at every depth: DFlash;
+* ``ddtree`` policies propose a best-first tree under a node budget.
+
+Why the output is exactly the target's (lossless), greedy and sampled alike: each committed token is the target's own
+choice at a position whose prefix is already committed. The verify pass computes the target's distribution at every
+draft node; walking from the root we draw the target's token (argmax, or a sample from softmax(logits / T)) at the
+current node and move into the child carrying that token if there is one. Drafting only decides at which positions the
+target's distribution was computed in advance; it never changes which token is drawn there ("sample-and-match").
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+import torch
+
+from .model import DFlashDraftModel, DraftCache
+from .target import TargetAdapter, check_compatibility
+from .timing import StageTimer
+
+__all__ = [
+    "GenerationResult", "Proposal", "ProposalPolicy", "NoDraft", "Chain", "ChainProposal",
+    "follow", "speculative_generate", "autoregressive_generate", "dflash_generate",
+]
+
+
+# ---------------------------------------------------------------------------------------------------- proposals
+class Proposal(Protocol):
+    """A draft tree: node i has token ``token_ids[i]``, parent ``parents[i]`` (-1 = root), depth ``depths[i]``."""
+
+    token_ids: torch.Tensor  # [n] int64
+    parents: torch.Tensor  # [n] int64, parents[i] < i
+    depths: torch.Tensor  # [n] int64, 1-based
+
+    def visibility(self) -> torch.Tensor | None:
+        """[n+1, n+1] bool ancestor-or-self matrix (index 0 = root), or None when causal order is exact (a chain)."""
+
+    def expected_acceptance(self) -> float:
+        """Expected committed tokens per round under the drafter's factorized distribution (bonus included)."""
+
+
+class ProposalPolicy(Protocol):
+    name: str
+    uses_draft: bool
+
+    def propose(self, draft_logits: torch.Tensor | None, history: list[int]) -> Proposal:
+        """draft_logits: [b-1, V] float32, row d-1 = the drafter's logits for depth d (None when uses_draft is
+        False); history: prompt + generated tokens so far, the root (last committed token) last."""
+
+
+@dataclass(frozen=True)
+class ChainProposal:
+    """A tree without branches: node i sits at depth i+1 below node i-1."""
+
+    token_ids: torch.Tensor  # [n]
+    log_probs: torch.Tensor  # [n] cumulative path log-probabilities
+
+    @property
+    def parents(self) -> torch.Tensor:
+        return torch.arange(-1, len(self.token_ids) - 1)
+
+    @property
+    def depths(self) -> torch.Tensor:
+        return torch.arange(1, len(self.token_ids) + 1)
+
+    def visibility(self) -> None:
+        return None  # a chain is verified with the plain causal mask
+
+    def expected_acceptance(self) -> float:
+        return 1.0 + float(self.log_probs.exp().sum())
+
+
+class NoDraft:
+    """Propose nothing: each round commits exactly the target's own next token (plain decoding)."""
+
+    name, uses_draft = "ar", False
+
+    def propose(self, draft_logits: torch.Tensor | None, history: list[int]) -> ChainProposal:
+        return ChainProposal(torch.zeros(0, dtype=torch.long), torch.zeros(0))
+
+
+class Chain:
+    """DFlash: the drafter's top-1 token at every depth, as one branch."""
+
+    name, uses_draft = "chain", True
+
+    def propose(self, draft_logits: torch.Tensor, history: list[int]) -> ChainProposal:
+        logp = torch.log_softmax(draft_logits.float(), dim=-1)  # [b-1, V]
+        best, tokens = logp.max(dim=-1)
+        return ChainProposal(tokens.cpu(), best.cumsum(0).cpu())
+
+
+# ---------------------------------------------------------------------------------------------------- verification
+def follow(
+    token_ids: torch.Tensor,  # [n] draft tokens
+    parents: torch.Tensor,  # [n]
+    logits: torch.Tensor,  # [n+1, V] target logits at root + nodes
+    temperature: float,
+    generator: torch.Generator | None,
+) -> tuple[list[int], int]:
+    """Walk the verified tree from the root; return (accepted node indices, bonus token).
+
+    At each node draw the target's token: argmax at T = 0, a sample from softmax(logits / T) otherwise. If a child
+    carries that token, accept it and continue there; else that token is the bonus and the round ends.
+    """
+    # child lookup keyed by (parent position in the verify sequence, token); the root is position 0
+    children = {(p + 1, t): i for i, (p, t) in enumerate(zip(parents.tolist(), token_ids.tolist()))}
+    greedy = temperature <= 0
+    choices = logits.argmax(dim=-1).tolist() if greedy else None
+    path: list[int] = []
+    node = 0
+    while True:
+        if greedy:
+            token = choices[node]
+        else:
+            probs = torch.softmax(logits[node].float() / temperature, dim=-1)
+            token = int(torch.multinomial(probs, 1, generator=generator))
+        child = children.get((node, token))
+        if child is None:
+            return path, token
+        path.append(child)
+        node = child + 1
+
+
+# ---------------------------------------------------------------------------------------------------- the loop
+@dataclass
+class GenerationResult:
+    new_token_ids: list[int]
+    acceptance_lengths: list[int]  # tokens committed per round, bonus included (the prefill's token is not a round)
+    timings: dict[str, float]  # seconds: prefill, draft, tree, verify, commit, decode (= whole loop after prefill)
+    num_input_tokens: int
+    tree_sizes: list[int] = field(default_factory=list)  # draft nodes verified per round
+    expected_acceptance: list[float] = field(default_factory=list)  # drafter's own estimate per round
+    trees: list[Any] | None = None  # the proposals themselves when trace=True
+
+    @property
+    def tau(self) -> float:
+        """Mean committed tokens per round (acceptance length, bonus included)."""
+        return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
+
+
+def _validate(input_ids: torch.Tensor, max_new_tokens: int, temperature: float) -> None:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids must be a [1, T] LongTensor (batch size 1), got {shape}")
+    if input_ids.shape[1] < 1:
+        raise ValueError("input_ids is empty: give at least one prompt token")
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+
+
+def _first_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
+    return follow(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), logits, temperature, generator)[1]
+
+
+@torch.inference_mode()
+def speculative_generate(
+    target,
+    draft: DFlashDraftModel | None,
+    input_ids: torch.Tensor,
+    policy: ProposalPolicy,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    stop_token_ids: Sequence[int] | None = None,
+    seed: int = 0,
+    block_size: int | None = None,
+    trace: bool = False,
+) -> GenerationResult:
+    """Generate with ``policy`` deciding each round's draft tree. See the module docstring for why it is lossless."""
+    _validate(input_ids, max_new_tokens, temperature)
+    if policy.uses_draft:
+        if draft is None:
+            raise ValueError(f"policy {policy.name!r} needs a drafter; pass draft=...")
+        check_compatibility(target, draft)
+    adapter = TargetAdapter(target, draft.config.target_layer_ids if policy.uses_draft else ())
+    device = adapter.device
+    b = block_size or (draft.block_size if policy.uses_draft else 1)
+    if policy.uses_draft and not 2 <= b:
+        raise ValueError(f"block_size must be >= 2, got {b}")
+    stops = set(stop_token_ids or ())
+    generator = torch.Generator(device=device).manual_seed(seed)
+    timer = StageTimer(device)
+    result = GenerationResult([], [], {}, int(input_ids.shape[1]), trees=[] if trace else None)
+    if max_new_tokens == 0:
+        result.timings = {"prefill": 0.0, "decode": 0.0}
+        return result
+
+    # prefill: the prompt enters the target cache; its features become the drafter's first context
+    prompt = input_ids[0].to(device)
+    cache = adapter.new_cache()
+    with timer.stage("prefill"):
+        out = adapter.forward(prompt, torch.arange(len(prompt), device=device), cache, last_only=True,
+                              with_features=policy.uses_draft)
+        root = _first_token(out.logits, temperature, generator)
+    pending = out.features  # [m, n_taps * hidden] target features not yet in the draft cache
+    start = len(prompt)  # committed tokens already in the target cache (the root is not yet)
+    draft_cache = DraftCache()
+    result.new_token_ids.append(root)
+    history = input_ids[0].tolist() + [root]
+    done = root in stops or max_new_tokens <= 1
+    if policy.uses_draft:
+        draft_dtype = next(draft.parameters()).dtype
+        block_tail = torch.full((b - 1,), draft.mask_token_id, dtype=torch.long, device=device)
+    t_loop = time.perf_counter()
+
+    while not done:
+        draft_logits = None
+        if policy.uses_draft:
+            with timer.stage("draft"):
+                block_ids = torch.cat([torch.tensor([root], device=device), block_tail])  # [b]
+                hidden = draft(
+                    adapter.embed(block_ids)[None].to(draft_dtype),
+                    pending[None],
+                    torch.arange(start, start + b, device=device),
+                    torch.arange(draft_cache.length, start, device=device),
+                    cache=draft_cache,
+                )  # [1, b, hidden]
+                draft_logits = adapter.lm_head(hidden[0, 1:])  # [b-1, V]: row d-1 drafts depth d
+        with timer.stage("tree"):
+            proposal = policy.propose(draft_logits, history)
+        with timer.stage("verify"):
+            verify_ids = torch.cat([torch.tensor([root]), proposal.token_ids.cpu()]).to(device)  # [n+1]
+            positions = start + torch.cat([torch.zeros(1, dtype=torch.long), proposal.depths.cpu()]).to(device)
+            out = adapter.forward(verify_ids, positions, cache, visibility=proposal.visibility(),
+                                  with_features=policy.uses_draft)
+        with timer.stage("commit"):
+            path, bonus = follow(proposal.token_ids, proposal.parents, out.logits, temperature, generator)
+            keep = torch.tensor([0] + [i + 1 for i in path], dtype=torch.long)  # root + accepted nodes
+            adapter.compact(cache, start, keep)
+            if policy.uses_draft:
+                pending = out.features[keep.to(device)]
+            start += len(keep)
+            committed = [int(proposal.token_ids[i]) for i in path] + [bonus]
+            for k, token in enumerate(committed):
+                result.new_token_ids.append(token)
+                history.append(token)
+                if token in stops or len(result.new_token_ids) >= max_new_tokens:
+                    committed, done = committed[: k + 1], True
+                    break
+            result.acceptance_lengths.append(len(committed))
+            result.tree_sizes.append(len(proposal.token_ids))
+            result.expected_acceptance.append(proposal.expected_acceptance())
+            if trace:
+                result.trees.append(proposal)
+            root = bonus
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    decode_s = time.perf_counter() - t_loop
+    result.timings = {**timer.totals(), "decode": decode_s}
+    return result
+
+
+def autoregressive_generate(target, input_ids: torch.Tensor, max_new_tokens: int = 128, temperature: float = 0.0,
+                            stop_token_ids: Sequence[int] | None = None, seed: int = 0) -> GenerationResult:
+    """Plain decoding: one target forward per token (the reference every speculative method must reproduce)."""
+    return speculative_generate(target, None, input_ids, NoDraft(), max_new_tokens, temperature, stop_token_ids, seed)
+
+
+def dflash_generate(target, draft: DFlashDraftModel, input_ids: torch.Tensor, max_new_tokens: int = 128,
+                    temperature: float = 0.0, stop_token_ids: Sequence[int] | None = None, seed: int = 0,
+                    block_size: int | None = None) -> GenerationResult:
+    """DFlash: draft a block in one drafter pass, verify it as a chain in one target pass."""
+    return speculative_generate(target, draft, input_ids, Chain(), max_new_tokens, temperature, stop_token_ids, seed,
+                                block_size=block_size)

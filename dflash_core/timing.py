@@ -1,0 +1,51 @@
+"""Per-stage wall time of the decode loop: perf_counter on CPU, CUDA events on CUDA (no sync until the end)."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+__all__ = ["StageTimer"]
+
+
+class StageTimer:
+    """Accumulates seconds per named stage.
+
+    On CUDA each stage records a pair of events on the current stream; nothing waits for the device until
+    :meth:`totals` is called once at the end, so timing does not serialize the loop.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.cuda = torch.device(device).type == "cuda"
+        self._seconds: dict[str, float] = defaultdict(float)
+        self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((name, start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self._seconds[name] += time.perf_counter() - t0
+
+    def totals(self) -> dict[str, float]:
+        """Seconds per stage (synchronizes the device once on CUDA)."""
+        if self._events:
+            torch.cuda.synchronize()
+            for name, start, end in self._events:
+                self._seconds[name] += start.elapsed_time(end) / 1000.0
+            self._events.clear()
+        return dict(self._seconds)

@@ -1,0 +1,57 @@
+"""Tiny random targets and drafters built from configs (no downloads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_core import DFlashConfig, DFlashDraftModel, build_target_layer_ids
+
+
+def make_target(family: str = "llama", vocab: int = 64, layers: int = 4, hidden: int = 32, seed: int = 0,
+                dtype: torch.dtype = torch.float64, init: float = 0.2):
+    """A tiny random Llama or Qwen3 causal LM; a wide init makes its distributions peaked (fewer near-ties)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  initializer_range=init, tie_word_embeddings=False)
+    if family == "llama":
+        config = LlamaConfig(**common)
+    elif family == "qwen3":
+        config = Qwen3Config(**common, head_dim=hidden // 4)
+    else:
+        raise ValueError(family)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).to(dtype).eval()
+
+
+def make_draft(target, block_size: int = 4, layers: int = 1, taps: int = 2, mask_token_id: int | None = None,
+               seed: int = 1, dtype: torch.dtype | None = None) -> DFlashDraftModel:
+    cfg = target.config
+    n_layers = cfg.num_hidden_layers
+    config = DFlashConfig(
+        hidden_size=cfg.hidden_size, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=cfg.hidden_size // 4, intermediate_size=2 * cfg.hidden_size, vocab_size=cfg.vocab_size,
+        target_layer_ids=tuple(build_target_layer_ids(n_layers, taps)) if n_layers >= 4 else tuple(range(taps)),
+        mask_token_id=cfg.vocab_size - 1 if mask_token_id is None else mask_token_id,
+        num_target_layers=n_layers, block_size=block_size, rope_theta=10000.0,
+    )
+    torch.manual_seed(seed)
+    draft = DFlashDraftModel(config)
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    return draft.to(dtype or next(target.parameters()).dtype).eval()
+
+
+def prompt(seed: int, length: int, vocab: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (1, length), generator=g)
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen3"])
+def family(request):
+    return request.param
