@@ -1,0 +1,314 @@
+"""Figures: speedup per dataset, the budget trade-off, acceptance-length histograms.
+
+Drawn with matplotlib's object API (``Figure`` + savefig), so no pyplot state and no global backend switch: it
+renders headless anywhere. One figure per temperature; each is saved in every requested format.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import matplotlib
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullLocator
+
+from experiments.schema import METHOD_COLORS, METHOD_LABELS, VARIANT_COLORS, SampleRecord, dataset_label
+from plots.metrics import ORACLE_LABEL, Stats, find, groups_of, oracle_stats
+
+STYLE = {
+    "font.size": 11,
+    "axes.titlesize": 12,
+    "axes.labelsize": 11,
+    "xtick.labelsize": 10,
+    "ytick.labelsize": 10,
+    "legend.fontsize": 9.5,
+    "axes.grid": True,
+    "grid.alpha": 0.3,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "savefig.dpi": 150,
+}
+DATASET_PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+                   "#bcbd22", "#17becf")
+AR_LINE = {"color": "#555555", "linestyle": ":", "linewidth": 1.3}
+
+
+def temperature_tag(t: float) -> str:
+    """File-name tag of a temperature: 0 -> ``T0``, 0.7 -> ``T0p7``."""
+    return "T" + f"{t:g}".replace(".", "p").replace("-", "m")
+
+
+def _save(fig: Figure, out_dir: Path, stem: str, formats: Sequence[str]) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for fmt in formats:
+        path = out_dir / f"{stem}.{fmt}"
+        fig.savefig(path, bbox_inches="tight", pad_inches=0.1)
+        paths.append(path)
+    return paths
+
+
+def _title(text: str, subtitle: str | None) -> str:
+    return f"{text}\n{subtitle}" if subtitle else text
+
+
+def _temperatures(stats: Iterable[Stats]) -> list[float]:
+    return sorted({s.temperature for s in stats})
+
+
+# ---- (a) speedup per dataset -------------------------------------------------------------------------------------
+
+
+def _speedup_series(stats: list[Stats], temperature: float,
+                    fixed_budget: int | None) -> tuple[list[str], dict[str, dict[str, Stats]], dict[str, str]]:
+    datasets = [d for d, t in groups_of(stats) if t == temperature]
+    series: dict[str, dict[str, Stats]] = {}
+    colors: dict[str, str] = {}
+    extra_colors = iter([VARIANT_COLORS["other"], "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"])
+
+    def add(label: str, dataset: str, s: Stats, color: str) -> None:
+        if s.speedup is None:
+            return
+        series.setdefault(label, {})[dataset] = s
+        colors.setdefault(label, color)
+
+    for dataset in datasets:
+        for s in find(stats, dataset, temperature, "dflash"):
+            add(s.label, dataset, s, METHOD_COLORS["dflash"])
+        oracle = oracle_stats(stats, dataset, temperature)
+        if oracle is not None:
+            add(ORACLE_LABEL, dataset, oracle, VARIANT_COLORS["oracle"])
+        for s in find(stats, dataset, temperature, "ddtree"):
+            if s.is_fixed_tree and s.budget == fixed_budget:
+                add(f"{s.label}, preset", dataset, s, VARIANT_COLORS["fixed"])
+            elif not s.is_fixed_tree:
+                color = colors.get(s.label) or VARIANT_COLORS.get(str(s.budget)) or VARIANT_COLORS.get(s.policy)
+                add(s.label, dataset, s, color or next(extra_colors, VARIANT_COLORS["other"]))
+    return datasets, series, colors
+
+
+def plot_speedup(stats: list[Stats], temperature: float, out_dir: str | Path, *,
+                 formats: Sequence[str] = ("png", "pdf"), fixed_budget: int | None = None,
+                 subtitle: str | None = None) -> list[Path]:
+    """Grouped bars: token-weighted speedup over AR per dataset (and their mean), one bar per method variant."""
+    datasets, series, colors = _speedup_series(stats, temperature, fixed_budget)
+    if not series:
+        return []
+    with_data = [d for d in datasets if any(d in by for by in series.values())]
+    groups = list(datasets)
+    means = {label: sum(s.speedup for s in by.values()) / len(by) for label, by in series.items()
+             if len(by) == len(with_data)}
+    show_mean = len(with_data) > 1 and bool(means)
+    if show_mean:
+        groups.append("Mean")
+
+    with matplotlib.rc_context(STYLE):
+        width_in = min(16.0, max(6.5, 0.45 * len(groups) * len(series) + 2.5))
+        fig = Figure(figsize=(width_in, 4.6), layout="constrained")
+        ax = fig.add_subplot()
+        width = 0.8 / len(series)
+        top = 1.0
+        labelled: set[str] = set()
+        for j, (label, by) in enumerate(series.items()):
+            offset = (j - (len(series) - 1) / 2) * width
+            for i, group in enumerate(groups):
+                if group == "Mean":
+                    if label not in means:
+                        continue
+                    value, s = means[label], None
+                else:
+                    s = by.get(group)
+                    if s is None:
+                        continue
+                    value = s.speedup
+                x = i + offset
+                ax.bar(x, value, width * 0.92, color=colors[label], edgecolor="white", linewidth=0.5,
+                       label=None if label in labelled else label)
+                labelled.add(label)
+                text = f"{value:.2f}×"
+                if s is not None and s.oracle:
+                    text += f"\nB={s.budget}"
+                if s is not None and s.speedup_q25 is not None and s.num_paired > 1:
+                    ax.plot([x, x], [s.speedup_q25, s.speedup_q75], color="black", linewidth=1.0)
+                    ax.plot([x], [s.speedup_median], marker="o", markersize=3, color="black")
+                    top = max(top, s.speedup_q75)
+                peak = max(value, s.speedup_q75 if s is not None and s.speedup_q75 is not None else value)
+                ax.annotate(text, (x, peak), xytext=(0, 2), textcoords="offset points", ha="center", va="bottom",
+                            fontsize=8, linespacing=0.95)
+                top = max(top, value)
+        for i, group in enumerate(groups):
+            if group != "Mean" and group not in with_data:
+                ax.text(i, 0.5, "no AR baseline:\nno speedup", ha="center", va="center", fontsize=9,
+                        color="#666666")
+        ax.axhline(1.0, **AR_LINE, label="AR (1×)")
+        if show_mean:
+            ax.axvline(len(datasets) - 0.5, color="#999999", linewidth=0.8)
+        ax.set_xticks(range(len(groups)), [dataset_label(g) for g in groups])
+        ax.set_xlim(-0.6, len(groups) - 0.4)
+        ax.set_ylim(0, top * 1.2)
+        ax.grid(axis="x", visible=False)
+        ax.set_ylabel("Speedup over AR (×)")
+        ax.set_title(_title(f"Decoding speedup per dataset, T = {temperature:g}", subtitle))
+        handles, labels = ax.get_legend_handles_labels()
+        handles.append(Line2D([], [], color="black", marker="o", markersize=3, linewidth=1.0))
+        labels.append("per-sample median and IQR")
+        fig.legend(handles, labels, loc="outside lower center", ncol=min(3, len(labels)), frameon=False)
+        return _save(fig, Path(out_dir), f"speedup_{temperature_tag(temperature)}", formats)
+
+
+# ---- (b) budget trade-off ----------------------------------------------------------------------------------------
+
+
+def plot_budget_tradeoff(stats: list[Stats], temperature: float, out_dir: str | Path, *,
+                         formats: Sequence[str] = ("png", "pdf"), subtitle: str | None = None) -> list[Path]:
+    """Speedup and τ against the node budget (log2 axis), one line per dataset (plus their mean);
+    DFlash as dashed reference lines, budget policies such as ``auto`` as stars at their mean tree size."""
+    datasets = [d for d, t in groups_of(stats) if t == temperature]
+    fixed = {d: sorted((s for s in find(stats, d, temperature, "ddtree") if s.is_fixed_tree), key=lambda s: s.budget)
+             for d in datasets}
+    if not any(fixed.values()):
+        return []
+    colors = {d: DATASET_PALETTE[i % len(DATASET_PALETTE)] for i, d in enumerate(datasets)}
+    budgets = sorted({s.budget for rows in fixed.values() for s in rows})
+    policy_without_size = False
+
+    with matplotlib.rc_context(STYLE):
+        fig = Figure(figsize=(11, 4.6), layout="constrained")
+        axes = fig.subplots(1, 2)
+        for ax, metric, ylabel in ((axes[0], "speedup", "Speedup over AR (×)"),
+                                   (axes[1], "tau", "τ (mean tokens committed per round)")):
+            for d in datasets:
+                rows = [s for s in fixed[d] if getattr(s, metric) is not None]
+                if rows:
+                    ax.plot([s.budget for s in rows], [getattr(s, metric) for s in rows], marker="o",
+                            markersize=4, color=colors[d], linewidth=1.6)
+                for s in find(stats, d, temperature, "dflash"):
+                    if getattr(s, metric) is not None:
+                        ax.axhline(getattr(s, metric), color=colors[d], linestyle="--", linewidth=1.0, alpha=0.8)
+                for s in find(stats, d, temperature, "ddtree"):
+                    if s.is_fixed_tree or getattr(s, metric) is None:
+                        continue
+                    if s.mean_tree_size:
+                        ax.plot([s.mean_tree_size], [getattr(s, metric)], marker="*", markersize=13,
+                                color=colors[d], markeredgecolor="black", markeredgewidth=0.6, linestyle="none")
+                    else:  # policy without recorded tree sizes: a dotted level instead of a point
+                        policy_without_size = True
+                        ax.axhline(getattr(s, metric), color=colors[d], linestyle=":", linewidth=1.2)
+            present = [d for d in datasets if any(getattr(s, metric) is not None for s in fixed[d])]
+            if len(present) > 1:  # mean over the datasets that have this metric, at budgets all of them ran
+                common = [b for b in budgets if all(any(s.budget == b and getattr(s, metric) is not None
+                                                        for s in fixed[d]) for d in present)]
+                if common:
+                    mean = [sum(getattr(s, metric) for d in present for s in fixed[d] if s.budget == b)
+                            / len(present) for b in common]
+                    ax.plot(common, mean, color="black", linewidth=2.6, marker="s", markersize=5, zorder=5)
+            if metric == "speedup":
+                ax.axhline(1.0, **AR_LINE)
+            ax.set_xscale("log", base=2)
+            ax.xaxis.set_major_locator(FixedLocator(budgets))
+            ax.xaxis.set_minor_locator(NullLocator())
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.set_xlabel("Node budget B (log scale)")
+            ax.set_ylabel(ylabel)
+            ax.set_ylim(bottom=0)
+        axes[0].set_title("Speedup")
+        axes[1].set_title("Acceptance length τ")
+        fig.suptitle(_title(f"DDTree budget trade-off, T = {temperature:g}", subtitle))
+
+        handles = [Line2D([], [], color=colors[d], linewidth=2) for d in datasets]
+        labels = [dataset_label(d) for d in datasets]
+        if len(datasets) > 1:
+            handles.append(Line2D([], [], color="black", linewidth=2.6, marker="s", markersize=5))
+            labels.append("Mean over datasets")
+        handles += [Line2D([], [], color="gray", marker="o", markersize=4, linewidth=1.6),
+                    Line2D([], [], color="gray", linestyle="--", linewidth=1.0)]
+        labels += ["DDTree, fixed budget", "DFlash (chain)"]
+        if any(not s.is_fixed_tree for d in datasets for s in find(stats, d, temperature, "ddtree")):
+            handles.append(Line2D([], [], color="gray", marker="*", markersize=12, markeredgecolor="black",
+                                  linestyle="none"))
+            labels.append("DDTree policy (e.g. auto) at its mean tree size")
+            if policy_without_size:
+                handles.append(Line2D([], [], color="gray", linestyle=":", linewidth=1.2))
+                labels.append("DDTree policy, tree size not recorded")
+        handles.append(Line2D([], [], **AR_LINE))
+        labels.append("AR (1×)")
+        fig.legend(handles, labels, loc="outside lower center", ncol=min(5, len(labels)), frameon=False)
+        return _save(fig, Path(out_dir), f"budget_tradeoff_{temperature_tag(temperature)}", formats)
+
+
+# ---- (c) acceptance-length histograms ----------------------------------------------------------------------------
+
+
+def _histogram_variants(stats: list[Stats], dataset: str, temperature: float) -> list[tuple[Stats, str, str]]:
+    """(stats, legend label, colour) of DFlash and of DDTree at its best budget for one panel."""
+    chosen = [(s, f"{s.label} (τ = {s.tau:.2f})", METHOD_COLORS["dflash"])
+              for s in find(stats, dataset, temperature, "dflash")[:1] if s.tau is not None]
+    best = oracle_stats(stats, dataset, temperature)
+    if best is not None:
+        chosen.append((best, f"DDTree, oracle B = {best.budget} (τ = {best.tau:.2f})", METHOD_COLORS["ddtree"]))
+    else:  # no AR to rank by speed: fall back to the budget with the longest acceptance
+        fixed = [s for s in find(stats, dataset, temperature, "ddtree") if s.is_fixed_tree and s.tau is not None]
+        if fixed:
+            s = max(fixed, key=lambda s: s.tau)
+            chosen.append((s, f"DDTree, B = {s.budget}, best τ (τ = {s.tau:.2f})", METHOD_COLORS["ddtree"]))
+    return chosen
+
+
+def plot_acceptance_histograms(records: Sequence[SampleRecord], stats: list[Stats], temperature: float,
+                               out_dir: str | Path, *, formats: Sequence[str] = ("png", "pdf"),
+                               subtitle: str | None = None) -> list[Path]:
+    """Per dataset: the fraction of rounds committing k tokens, DFlash next to DDTree at its best budget."""
+    datasets = [d for d, t in groups_of(stats) if t == temperature]
+    panels = [(d, v) for d in datasets if (v := _histogram_variants(stats, d, temperature))]
+    if not panels:
+        return []
+    ncols = min(3, len(panels))
+    nrows = math.ceil(len(panels) / ncols)
+    with matplotlib.rc_context(STYLE):
+        fig = Figure(figsize=(4.3 * ncols, 3.3 * nrows + 0.6), layout="constrained")
+        axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+        for ax, (dataset, variants) in zip(axes, panels):
+            width = 0.8 / len(variants)
+            longest, highest = 1, 0.0
+            for j, (s, label, color) in enumerate(variants):
+                lengths = [n for r in records if r.dataset == dataset and r.temperature == temperature
+                           and (r.method, r.policy, r.budget) == (s.method, s.policy, s.budget)
+                           for n in r.acceptance_lengths]
+                if not lengths:
+                    continue
+                counts = Counter(lengths)
+                ks = sorted(counts)
+                longest = max(longest, ks[-1])
+                offset = (j - (len(variants) - 1) / 2) * width
+                fractions = [counts[k] / len(lengths) for k in ks]
+                highest = max(highest, max(fractions))
+                ax.bar([k + offset for k in ks], fractions, width * 0.95, color=color, label=label)
+            ax.set_title(dataset_label(dataset))
+            ax.set_xlim(0.4, longest + 0.6)
+            ax.set_ylim(0, highest * 1.4 + 0.01)  # head room for the legend
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.grid(axis="x", visible=False)
+            ax.set_xlabel("Tokens committed per round")
+            ax.set_ylabel("Fraction of rounds")
+            ax.legend(loc="upper right", frameon=False, fontsize=8.5)
+        for ax in axes[len(panels):]:
+            ax.set_visible(False)
+        fig.suptitle(_title(f"Acceptance lengths, {METHOD_LABELS['dflash']} vs {METHOD_LABELS['ddtree']}, "
+                            f"T = {temperature:g}", subtitle))
+        return _save(fig, Path(out_dir), f"acceptance_hist_{temperature_tag(temperature)}", formats)
+
+
+def plot_all(records: Sequence[SampleRecord], stats: list[Stats], out_dir: str | Path, *,
+             formats: Sequence[str] = ("png", "pdf"), fixed_budget: int | None = None,
+             subtitle: str | None = None) -> list[Path]:
+    """Every figure for every temperature present; returns the files written."""
+    paths: list[Path] = []
+    for t in _temperatures(stats):
+        paths += plot_speedup(stats, t, out_dir, formats=formats, fixed_budget=fixed_budget, subtitle=subtitle)
+        paths += plot_budget_tradeoff(stats, t, out_dir, formats=formats, subtitle=subtitle)
+        paths += plot_acceptance_histograms(records, stats, t, out_dir, formats=formats, subtitle=subtitle)
+    return paths

@@ -1,0 +1,160 @@
+"""The one definition of speedup, τ and exact-match rate used by every figure and table.
+
+Per (dataset, temperature) and method variant (method, policy, budget):
+
+- speedup = AR time per token ÷ variant time per token, token-weighted over the (sample, turn) pairs that both AR
+  and the variant finished: ``(Σ ar.decode_s / Σ ar.num_new_tokens) / (Σ m.decode_s / Σ m.num_new_tokens)``;
+  the spread is over per-sample speedups ``(ar.decode_s / ar.n) / (m.decode_s / m.n)`` (median, quartiles);
+- τ = Σ acceptance lengths ÷ number of rounds, over all rounds of all the variant's records;
+- exact-match rate = mean of ``matches_ar`` over the records where it is not None;
+- the oracle budget is the fixed DDTree budget with the highest speedup, chosen after the fact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Iterable
+
+from experiments.schema import EXTRA_TREE_SIZES, METHODS, SampleRecord, dataset_sort_key, method_label
+
+ORACLE_LABEL = "DDTree (oracle budget)"
+
+
+def is_fixed_tree(method: str, budget: int | str | None) -> bool:
+    """A DDTree variant with an integer node budget (a candidate for the oracle budget)."""
+    return method == "ddtree" and isinstance(budget, int) and not isinstance(budget, bool)
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Aggregates of one method variant on one (dataset, temperature)."""
+
+    dataset: str
+    temperature: float
+    method: str
+    policy: str
+    budget: int | str | None
+    label: str
+    num_records: int
+    num_paired: int  # records with an AR partner (the speedup's support)
+    num_new_tokens: int
+    decode_s: float
+    time_per_token_s: float | None
+    speedup: float | None
+    speedup_median: float | None
+    speedup_q25: float | None
+    speedup_q75: float | None
+    tau: float | None
+    num_rounds: int
+    exact_match: float | None
+    num_compared: int  # records with matches_ar not None
+    mean_tree_size: float | None  # mean verified nodes per round, from extra["tree_sizes"] when recorded
+    oracle: bool = False
+
+    @property
+    def is_fixed_tree(self) -> bool:
+        return is_fixed_tree(self.method, self.budget)
+
+
+def _variant_sort_key(method: str, policy: str, budget: int | str | None) -> tuple:
+    rank = METHODS.index(method) if method in METHODS else len(METHODS)
+    if is_fixed_tree(method, budget):
+        return (rank, 0, budget, "")
+    return (rank, 1, 0, f"{policy}:{budget}")
+
+
+def _quartiles(values: list[float]) -> tuple[float, float, float] | tuple[None, None, None]:
+    if not values:
+        return None, None, None
+    if len(values) == 1:
+        return values[0], values[0], values[0]
+    q25, q50, q75 = statistics.quantiles(values, n=4, method="inclusive")
+    return q50, q25, q75
+
+
+def _sample_key(record: SampleRecord) -> tuple:
+    return (record.sample_id, record.turn)
+
+
+def compute_stats(records: Iterable[SampleRecord]) -> list[Stats]:
+    """Stats of every variant present, sorted by dataset, temperature, then AR, DFlash, DDTree by budget."""
+    groups: dict[tuple, dict[tuple, list[SampleRecord]]] = defaultdict(lambda: defaultdict(list))
+    for record in records:
+        groups[(record.dataset, record.temperature)][(record.method, record.policy, record.budget)].append(record)
+
+    stats = []
+    for (dataset, temperature), variants in groups.items():
+        ar_by_sample = {_sample_key(r): r for variant, rs in variants.items() if variant[0] == "ar" for r in rs}
+        for (method, policy, budget), rs in variants.items():
+            stats.append(_variant_stats(dataset, temperature, method, policy, budget, rs, ar_by_sample))
+    stats.sort(key=lambda s: (dataset_sort_key(s.dataset), s.temperature,
+                              _variant_sort_key(s.method, s.policy, s.budget)))
+    return stats
+
+
+def _variant_stats(dataset: str, temperature: float, method: str, policy: str, budget: int | str | None,
+                   records: list[SampleRecord], ar_by_sample: dict[tuple, SampleRecord]) -> Stats:
+    partners = ((ar_by_sample.get(_sample_key(r)), r) for r in records)
+    pairs = [(a, m) for a, m in partners if a is not None and a.num_new_tokens > 0 and m.num_new_tokens > 0]
+    speedup = None
+    ar_time = sum(a.decode_s for a, _ in pairs)
+    m_time = sum(m.decode_s for _, m in pairs)
+    if pairs and ar_time > 0 and m_time > 0:
+        ar_tokens = sum(a.num_new_tokens for a, _ in pairs)
+        m_tokens = sum(m.num_new_tokens for _, m in pairs)
+        speedup = (ar_time / ar_tokens) / (m_time / m_tokens)
+    per_sample = sorted((a.decode_s / a.num_new_tokens) / (m.decode_s / m.num_new_tokens)
+                        for a, m in pairs if m.decode_s > 0)
+    median, q25, q75 = _quartiles(per_sample)
+
+    tokens = sum(r.num_new_tokens for r in records)
+    decode_s = sum(r.decode_s for r in records)
+    rounds = sum(len(r.acceptance_lengths) for r in records)
+    accepted = sum(sum(r.acceptance_lengths) for r in records)
+    compared = [r.matches_ar for r in records if r.matches_ar is not None]
+    sizes = [size for r in records for size in (r.extra.get(EXTRA_TREE_SIZES) or [])]
+    return Stats(
+        dataset=dataset, temperature=temperature, method=method, policy=policy, budget=budget,
+        label=method_label(method, policy, budget), num_records=len(records), num_paired=len(pairs),
+        num_new_tokens=tokens, decode_s=decode_s, time_per_token_s=decode_s / tokens if tokens else None,
+        speedup=speedup, speedup_median=median, speedup_q25=q25, speedup_q75=q75,
+        tau=accepted / rounds if rounds else None, num_rounds=rounds,
+        exact_match=sum(compared) / len(compared) if compared else None, num_compared=len(compared),
+        mean_tree_size=sum(sizes) / len(sizes) if sizes else None,
+    )
+
+
+def groups_of(stats: Iterable[Stats]) -> list[tuple[str, float]]:
+    """The (dataset, temperature) pairs present, in display order."""
+    return sorted({(s.dataset, s.temperature) for s in stats}, key=lambda g: (dataset_sort_key(g[0]), g[1]))
+
+
+def find(stats: Iterable[Stats], dataset: str, temperature: float, method: str) -> list[Stats]:
+    return [s for s in stats if s.dataset == dataset and s.temperature == temperature and s.method == method]
+
+
+def oracle_stats(stats: Iterable[Stats], dataset: str, temperature: float) -> Stats | None:
+    """The fixed-budget DDTree variant with the best speedup, relabelled as the oracle (None if none has one)."""
+    fixed = [s for s in find(stats, dataset, temperature, "ddtree") if s.is_fixed_tree and s.speedup is not None]
+    if not fixed:
+        return None
+    best = max(fixed, key=lambda s: s.speedup)
+    return dataclasses.replace(best, label=f"{ORACLE_LABEL}, B={best.budget}", oracle=True)
+
+
+def headline_stats(stats: list[Stats], fixed_budget: int | None = None) -> list[Stats]:
+    """Per (dataset, temperature): AR, DFlash, DDTree at the oracle budget, every non-oracle DDTree policy
+    (a string budget such as ``auto``), and the preset ``fixed_budget`` when given."""
+    rows = []
+    for dataset, temperature in groups_of(stats):
+        rows += find(stats, dataset, temperature, "ar") + find(stats, dataset, temperature, "dflash")
+        oracle = oracle_stats(stats, dataset, temperature)
+        if oracle is not None:
+            rows.append(oracle)
+        for s in find(stats, dataset, temperature, "ddtree"):
+            if not s.is_fixed_tree or s.budget == fixed_budget:
+                rows.append(s)
+    return rows

@@ -1,0 +1,46 @@
+"""From a runs folder to every figure and table (what ``python plot_results.py`` does)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from plots.figures import plot_all
+from plots.load import Run, find_runs, merge_records
+from plots.metrics import compute_stats, headline_stats
+from plots.tables import FOOTNOTE, all_rows, latex_table, markdown_table
+
+
+def describe_runs(runs: list[Run]) -> str | None:
+    """A subtitle such as ``cpu · bfloat16 · preset default`` when all runs agree on it, else None."""
+    manifests = [run.manifest for run in runs if run.manifest]
+    parts = []
+    for field in ("device", "dtype", "preset"):
+        values = {getattr(m, field) for m in manifests}
+        if len(values) == 1 and None not in values:
+            value = values.pop()
+            parts.append(f"preset {value}" if field == "preset" else str(value))
+    return " · ".join(parts) or None
+
+
+def make_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, formats: Sequence[str] = ("png", "pdf"),
+                fixed_budget: int | None = None) -> list[Path]:
+    """Write the figures (every format), ``results_table.{md,tex}`` (AR, DFlash, oracle budget, policies) and
+    ``all_budgets.{md,tex}`` (every variant) for the runs under ``runs_dir``; returns the files written."""
+    runs_dir = Path(runs_dir)
+    out_dir = Path(out_dir) if out_dir is not None else runs_dir / "figures"
+    runs = find_runs(runs_dir)
+    records = merge_records(runs)
+    if not records:
+        raise FileNotFoundError(f"no result records under {runs_dir}")
+    stats = compute_stats(records)
+    subtitle = describe_runs(runs)
+    paths = plot_all(records, stats, out_dir, formats=formats, fixed_budget=fixed_budget, subtitle=subtitle)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stem, rows in (("results_table", headline_stats(stats, fixed_budget)), ("all_budgets", all_rows(stats))):
+        md = out_dir / f"{stem}.md"
+        md.write_text(markdown_table(rows) + "\n" + FOOTNOTE + "\n", encoding="utf-8")
+        tex = out_dir / f"{stem}.tex"
+        tex.write_text(latex_table(rows), encoding="utf-8")
+        paths += [md, tex]
+    return paths

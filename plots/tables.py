@@ -1,0 +1,88 @@
+"""Markdown and LaTeX tables of speedup, τ and exact-match rate per dataset × method × temperature."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from experiments.schema import SampleRecord, dataset_label
+from plots.metrics import ORACLE_LABEL, Stats, compute_stats, groups_of, headline_stats, oracle_stats
+
+_HEADER = ("Dataset", "T", "Method", "Speedup", "Per-sample median [IQR]", "τ", "Exact match", "n")
+FOOTNOTE = (f"Speedup = AR time per token ÷ method time per token (token-weighted over samples both finished); "
+             f"τ = mean tokens committed per round; {ORACLE_LABEL} = best fixed budget chosen after the fact.")
+
+
+def _num(value: float | None, digits: int = 2, suffix: str = "") -> str:
+    return "–" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def _temperature(t: float) -> str:
+    return f"{t:g}"
+
+
+def _cells(s: Stats, times: str = "×") -> list[str]:
+    spread = "–"
+    if s.speedup_median is not None:
+        spread = f"{s.speedup_median:.2f} [{s.speedup_q25:.2f}, {s.speedup_q75:.2f}]"
+    match = "–" if s.exact_match is None else f"{100 * s.exact_match:.0f}% ({s.num_compared})"
+    return [dataset_label(s.dataset), _temperature(s.temperature), s.label, _num(s.speedup, 2, times), spread,
+            _num(s.tau), match, str(s.num_records)]
+
+
+def markdown_table(rows: Iterable[Stats]) -> str:
+    lines = ["| " + " | ".join(_HEADER) + " |", "|" + "|".join(["---"] * 3 + ["---:"] * 5) + "|"]
+    lines += ["| " + " | ".join(_cells(s)) + " |" for s in rows]
+    return "\n".join(lines) + "\n"
+
+
+_LATEX_ESCAPES = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
+                  "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "–": "--"}
+
+
+def _latex_escape(text: str) -> str:
+    return "".join(_LATEX_ESCAPES.get(ch, ch) for ch in text)
+
+
+def latex_table(rows: Iterable[Stats]) -> str:
+    """A booktabs ``tabular`` (needs ``\\usepackage{booktabs}``); a rule between (dataset, temperature) groups."""
+    header = ["Dataset", "$T$", "Method", "Speedup", "Median [IQR]", r"$\tau$", "Exact match", "$n$"]
+    out = [r"\begin{tabular}{lllrrrrr}", r"\toprule", " & ".join(header) + r" \\", r"\midrule"]
+    previous = None
+    for s in rows:
+        group = (s.dataset, s.temperature)
+        if previous is not None and group != previous:
+            out.append(r"\midrule")
+        previous = group
+        cells = [_latex_escape(c) for c in _cells(s, times="")]
+        if s.speedup is not None:
+            cells[3] += r"$\times$"
+        out.append(" & ".join(cells) + r" \\")
+    out += [r"\bottomrule", r"\end{tabular}"]
+    return "\n".join(out) + "\n"
+
+
+def all_rows(stats: list[Stats]) -> list[Stats]:
+    """Every variant, with the oracle row after the fixed budgets of its group."""
+    rows = []
+    for dataset, temperature in groups_of(stats):
+        group = [s for s in stats if s.dataset == dataset and s.temperature == temperature]
+        oracle = oracle_stats(stats, dataset, temperature)
+        fixed_end = max((i for i, s in enumerate(group) if s.is_fixed_tree), default=None)
+        for i, s in enumerate(group):
+            rows.append(s)
+            if oracle is not None and i == fixed_end:
+                rows.append(oracle)
+    return rows
+
+
+def summary_table(records: Iterable[SampleRecord], *, all_budgets: bool = True,
+                  fixed_budget: int | None = None) -> str:
+    """Markdown summary of a benchmark: speedup, spread, τ and exact-match rate per dataset × T × method.
+
+    ``all_budgets=False`` keeps AR, DFlash, the oracle budget, non-oracle policies and ``fixed_budget``.
+    """
+    stats = compute_stats(records)
+    if not stats:
+        return "(no records)\n"
+    rows = all_rows(stats) if all_budgets else headline_stats(stats, fixed_budget)
+    return markdown_table(rows) + "\n" + FOOTNOTE + "\n"

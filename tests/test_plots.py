@@ -1,0 +1,205 @@
+"""Figures and tables from a small fixture of records, with hand-computed speedups and τ."""
+
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+import plot_results
+from experiments.schema import Manifest, SampleRecord, append_record
+from plots import compute_stats, load_records, make_report, oracle_stats, summary_table
+from plots.metrics import find
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def record(dataset, sample_id, method, budget, decode_s, tokens, acceptance, *, turn=0, temperature=0.0,
+           matches_ar=None, extra=None):
+    policy = {"ar": "ar", "dflash": "chain"}.get(method) or ("fixed" if isinstance(budget, int) else budget)
+    return SampleRecord(dataset=dataset, sample_id=sample_id, turn=turn, method=method, budget=budget, policy=policy,
+                        temperature=temperature, num_input_tokens=40, num_new_tokens=tokens, prefill_s=0.01,
+                        decode_s=decode_s, acceptance_lengths=acceptance, stage_times={"verify": decode_s / 2},
+                        matches_ar=matches_ar, seed=0, dtype="float32", extra=extra or {})
+
+
+def hand_records():
+    """gsm8k, T = 0, two samples: every number below is checked by hand in the tests."""
+    return [
+        record("gsm8k", "0", "ar", None, 2.0, 100, [1] * 100),
+        record("gsm8k", "1", "ar", None, 1.5, 50, [1] * 50),
+        record("gsm8k", "0", "dflash", None, 0.8, 100, [3, 5, 2], matches_ar=True),
+        record("gsm8k", "1", "dflash", None, 0.5, 50, [4, 1], matches_ar=False),
+        record("gsm8k", "0", "ddtree", 16, 0.5, 100, [4, 4], matches_ar=True),
+        record("gsm8k", "1", "ddtree", 16, 0.4, 50, [5], matches_ar=True),
+        record("gsm8k", "0", "ddtree", 32, 0.4, 100, [6, 4], matches_ar=True),
+        record("gsm8k", "1", "ddtree", 32, 0.35, 50, [5], matches_ar=True),
+        record("gsm8k", "0", "ddtree", 64, 0.6, 100, [7, 6], matches_ar=True),
+        record("gsm8k", "1", "ddtree", 64, 0.5, 50, [6], matches_ar=True),
+        record("gsm8k", "0", "ddtree", "auto", 0.45, 100, [5, 4], matches_ar=True, extra={"tree_sizes": [20, 28]}),
+        record("gsm8k", "1", "ddtree", "auto", 0.3, 50, [5], matches_ar=True, extra={"tree_sizes": [24]}),
+    ]
+
+
+def lengths(tau, salt, rounds=30):
+    """Acceptance lengths with mean close to ``tau`` and some spread."""
+    return [max(1, min(16, round(tau + (k * 3 + salt) % 7 - 3))) for k in range(rounds)]
+
+
+def synthetic_records(dataset, temperature, *, samples=6, turns=1, with_ar=True):
+    """Plausible-looking numbers for the other panels (acceptance grows, then cost wins, with the budget)."""
+    rows = []
+    quality = {"humaneval": 0.8, "math500": 1.1, "mt-bench": 0.6, "aime24": 0.9}.get(dataset, 1.0)
+    for s in range(samples):
+        for turn in range(turns):
+            tokens = 120 + 17 * s + 5 * turn
+            wobble = 1 + 0.08 * ((s * 7 + turn) % 5 - 2)
+
+            def jitter(s, salt):  # per-method timing noise, so per-sample speedups spread
+                return wobble * (1 + 0.05 * ((s * 5 + salt * 3 + turn) % 7 - 3))
+
+            if with_ar:
+                rows.append(record(dataset, str(s), "ar", None, 0.02 * tokens * wobble, tokens, [1] * tokens,
+                                   turn=turn, temperature=temperature))
+            chain_tau = 2.0 + quality
+            rows.append(record(dataset, str(s), "dflash", None, 0.02 * tokens * 1.3 / chain_tau * jitter(s, 0), tokens,
+                               lengths(chain_tau, s), turn=turn,
+                               temperature=temperature, matches_ar=True if temperature == 0 else None))
+            for b in (8, 16, 32, 64, 128):
+                tau = chain_tau + quality * 1.6 * (1 - 8 / (b + 8)) * 2
+                cost = 1.3 + b / 60
+                rows.append(record(dataset, str(s), "ddtree", b, 0.02 * tokens * cost / tau * jitter(s, b), tokens,
+                                   lengths(tau, s + b), turn=turn, temperature=temperature,
+                                   matches_ar=(s + b) % 11 != 0 if temperature == 0 else None))
+            auto_s = 0.02 * tokens * 1.8 / (chain_tau + 1.9) * jitter(s, 3)
+            rows.append(record(dataset, str(s), "ddtree", "auto", auto_s, tokens, lengths(chain_tau + 1.4, s),
+                               turn=turn, temperature=temperature, matches_ar=True if temperature == 0 else None,
+                               extra={"tree_sizes": [20 + (k * 13 + s) % 30 for k in range(30)]}))
+    return rows
+
+
+def write_run(folder: Path, records, *, created_at: str) -> Path:
+    Manifest(device="cpu", dtype="float32", attention_backend="sdpa", seed=0, preset="test",
+             command_line=["test"], created_at=created_at).write(folder / "manifest.json")
+    for r in records:
+        append_record(folder / "records.jsonl", r)
+    return folder
+
+
+@pytest.fixture
+def runs(tmp_path):
+    root = tmp_path / "runs"
+    t0 = hand_records()
+    for dataset, turns in (("math500", 1), ("humaneval", 1), ("mt-bench", 2)):
+        t0 += synthetic_records(dataset, 0.0, turns=turns)
+    t0 += synthetic_records("aime24", 0.0, with_ar=False)  # a dataset whose AR baseline is missing
+    write_run(root / "2024-01-01_default", t0, created_at="2024-01-01T00:00:00+00:00")
+    t1 = synthetic_records("gsm8k", 1.0) + synthetic_records("humaneval", 1.0)
+    write_run(root / "nested" / "2024-01-02_t1", t1, created_at="2024-01-02T00:00:00+00:00")
+    return root
+
+
+def test_hand_computed_metrics(runs):
+    stats = compute_stats(load_records(runs))
+    by_label = {s.label: s for s in stats if s.dataset == "gsm8k" and s.temperature == 0.0}
+    ar, dflash = by_label["AR"], by_label["DFlash"]
+    assert ar.speedup == pytest.approx(1.0) and ar.tau == pytest.approx(1.0) and ar.exact_match is None
+    # AR: 3.5 s / 150 tokens; DFlash: 1.3 s / 150 tokens
+    assert dflash.speedup == pytest.approx(3.5 / 1.3)
+    assert (dflash.speedup_median, dflash.speedup_q25, dflash.speedup_q75) == pytest.approx((2.75, 2.625, 2.875))
+    assert dflash.tau == pytest.approx(15 / 5)
+    assert dflash.exact_match == pytest.approx(0.5)
+    assert by_label["DDTree (B=16)"].speedup == pytest.approx(3.5 / 0.9)
+    assert by_label["DDTree (B=32)"].speedup == pytest.approx(3.5 / 0.75)
+    assert by_label["DDTree (B=32)"].tau == pytest.approx(15 / 3)
+    assert by_label["DDTree (B=64)"].speedup == pytest.approx(3.5 / 1.1)
+    auto = by_label["DDTree (auto)"]
+    assert auto.speedup == pytest.approx(3.5 / 0.75) and auto.mean_tree_size == pytest.approx(24.0)
+    oracle = oracle_stats(stats, "gsm8k", 0.0)
+    assert oracle.budget == 32 and oracle.oracle and "oracle budget" in oracle.label
+    # no AR baseline: no speedup, still a τ
+    aime = find(stats, "aime24", 0.0, "dflash")[0]
+    assert aime.speedup is None and aime.tau is not None
+    assert oracle_stats(stats, "aime24", 0.0) is None
+
+
+def table_row(table: str, dataset: str, temperature: str, method: str) -> list[str]:
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells[:3] == [dataset, temperature, method]:
+            return cells
+    raise AssertionError(f"no row {dataset} {temperature} {method} in\n{table}")
+
+
+def test_summary_table_numbers(runs):
+    table = summary_table(load_records(runs))
+    assert table_row(table, "GSM8K", "0", "DFlash")[3:8] == ["2.69×", "2.75 [2.62, 2.88]", "3.00", "50% (2)", "2"]
+    assert table_row(table, "GSM8K", "0", "DDTree (oracle budget), B=32")[3] == "4.67×"
+    assert table_row(table, "GSM8K", "0", "DDTree (B=32)")[5] == "5.00"
+    assert table_row(table, "GSM8K", "0", "AR")[3:6] == ["1.00×", "1.00 [1.00, 1.00]", "1.00"]
+    assert table_row(table, "AIME24", "0", "DFlash")[3] == "–"
+    assert table_row(table, "MT-Bench", "0", "DFlash")[7] == "12"  # 6 samples × 2 turns
+    assert table_row(table, "GSM8K", "1", "DFlash")[6] == "–"  # not compared at T = 1
+    compact = summary_table(load_records(runs), all_budgets=False, fixed_budget=16)
+    assert "DDTree (B=16)" in compact and "DDTree (B=64)" not in compact and "DDTree (auto)" in compact
+
+
+def test_report_writes_every_figure_and_table(runs, tmp_path):
+    out = tmp_path / "figures"
+    paths = make_report(runs, out)
+    names = {p.name for p in paths}
+    for t in ("T0", "T1"):
+        for stem in ("speedup", "budget_tradeoff", "acceptance_hist"):
+            assert {f"{stem}_{t}.png", f"{stem}_{t}.pdf"} <= names
+    assert {"results_table.md", "results_table.tex", "all_budgets.md", "all_budgets.tex"} <= names
+    for path in paths:
+        assert path.parent == out and path.stat().st_size > 0
+    assert (out / "speedup_T0.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "speedup_T0.pdf").read_bytes()[:5] == b"%PDF-"
+    latex = (out / "results_table.tex").read_text()
+    assert r"\begin{tabular}" in latex and r"2.69$\times$" in latex and r"4.67$\times$" in latex
+    assert "oracle budget" in (out / "results_table.md").read_text()
+
+
+def test_truncated_last_line_is_tolerated(runs, tmp_path):
+    records_file = runs / "2024-01-01_default" / "records.jsonl"
+    with open(records_file, "a") as f:
+        f.write('{"dataset": "gsm8k", "sample_id": "2", "tu')
+    with pytest.warns(UserWarning, match="truncated"):
+        paths = make_report(runs, tmp_path / "out", formats=["png"])
+    assert any(p.name == "speedup_T0.png" for p in paths)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        table = summary_table(load_records(runs))
+    assert table_row(table, "GSM8K", "0", "DFlash")[3] == "2.69×"
+
+
+def test_newest_run_wins_for_duplicate_records(runs):
+    rerun = record("gsm8k", "0", "dflash", None, 0.4, 100, [3, 5, 2], matches_ar=True)
+    write_run(runs / "2024-01-03_rerun", [rerun], created_at="2024-01-03T00:00:00+00:00")
+    with pytest.warns(UserWarning, match="more than one run"):
+        records = load_records(runs)
+    dflash = [s for s in compute_stats(records) if s.dataset == "gsm8k" and s.temperature == 0 and s.label == "DFlash"]
+    assert dflash[0].speedup == pytest.approx(3.5 / 0.9)
+
+
+def test_missing_methods_are_handled(tmp_path):
+    run = write_run(tmp_path / "runs" / "ar_only", [r for r in hand_records() if r.method == "ar"],
+                    created_at="2024-01-01T00:00:00+00:00")
+    paths = make_report(run, tmp_path / "out", formats=["png"])
+    assert {p.name for p in paths} == {"results_table.md", "results_table.tex", "all_budgets.md", "all_budgets.tex"}
+
+
+def test_plot_results_entry_point(runs, tmp_path, capsys):
+    assert plot_results.main(["--runs", str(runs), "--formats", "png", "--fixed-budget", "32"]) == 0
+    assert (runs / "figures" / "speedup_T0.png").stat().st_size > 0
+    assert "speedup_T0.png" in capsys.readouterr().out
+    assert plot_results.main(["--runs", str(tmp_path / "nothing_here")]) == 1
+
+
+def test_plots_do_not_import_torch():
+    code = ("import sys, plots, plot_results, plots.figures\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
