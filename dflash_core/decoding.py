@@ -28,7 +28,7 @@ from .timing import StageTimer
 
 __all__ = [
     "GenerationResult", "Proposal", "ProposalPolicy", "NoDraft", "Chain", "ChainProposal",
-    "follow", "speculative_generate", "autoregressive_generate", "dflash_generate",
+    "compile_proposal", "follow", "speculative_generate", "autoregressive_generate", "dflash_generate",
 ]
 
 
@@ -50,6 +50,9 @@ class Proposal(Protocol):
 class ProposalPolicy(Protocol):
     name: str
     uses_draft: bool
+
+    # Optional: ``observe(accepted: int)`` is called after each round with the number of draft tokens accepted
+    # (adaptive policies learn from it).
 
     def propose(self, draft_logits: torch.Tensor | None, history: list[int]) -> Proposal:
         """draft_logits: [b-1, V] float32, row d-1 = the drafter's logits for depth d (None when uses_draft is
@@ -99,6 +102,17 @@ class Chain:
 
 
 # ---------------------------------------------------------------------------------------------------- verification
+def compile_proposal(proposal: Proposal, root: int, start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Flatten root + nodes for one target forward.
+
+    Returns token ids [n+1] (root first, then nodes in proposal order), position ids [n+1] (= start + depth, the root
+    at depth 0) and the [n+1, n+1] ancestor-or-self visibility (None for a chain: the causal mask is then exact).
+    """
+    token_ids = torch.cat([torch.tensor([root]), proposal.token_ids.cpu()])
+    positions = start + torch.cat([torch.zeros(1, dtype=torch.long), proposal.depths.cpu()])
+    return token_ids, positions, proposal.visibility()
+
+
 def follow(
     token_ids: torch.Tensor,  # [n] draft tokens
     parents: torch.Tensor,  # [n]
@@ -213,6 +227,7 @@ def speculative_generate(
     if policy.uses_draft:
         draft_dtype = next(draft.parameters()).dtype
         block_tail = torch.full((b - 1,), draft.mask_token_id, dtype=torch.long, device=device)
+    observe = getattr(policy, "observe", None)  # optional feedback hook: draft tokens accepted this round
     t_loop = time.perf_counter()
 
     while not done:
@@ -231,12 +246,12 @@ def speculative_generate(
         with timer.stage("tree"):
             proposal = policy.propose(draft_logits, history)
         with timer.stage("verify"):
-            verify_ids = torch.cat([torch.tensor([root]), proposal.token_ids.cpu()]).to(device)  # [n+1]
-            positions = start + torch.cat([torch.zeros(1, dtype=torch.long), proposal.depths.cpu()]).to(device)
-            out = adapter.forward(verify_ids, positions, cache, visibility=proposal.visibility(),
-                                  with_features=policy.uses_draft)
+            verify_ids, positions, visibility = compile_proposal(proposal, root, start)
+            out = adapter.forward(verify_ids, positions, cache, visibility=visibility, with_features=policy.uses_draft)
         with timer.stage("commit"):
             path, bonus = follow(proposal.token_ids, proposal.parents, out.logits, temperature, generator)
+            if observe is not None:
+                observe(len(path))
             keep = torch.tensor([0] + [i + 1 for i in path], dtype=torch.long)  # root + accepted nodes
             adapter.compact(cache, start, keep)
             if policy.uses_draft:

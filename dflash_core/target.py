@@ -151,9 +151,10 @@ class TargetAdapter:
         kwargs = {self._cache_kw: cache, "use_cache": True}
         if visibility is not None:
             # [1, 1, n, past + n] additive mask: the past is fully visible, the tree part follows `visibility`.
-            blocked = torch.finfo(self.dtype).min
-            mask = torch.zeros(1, 1, n, past + n, dtype=self.dtype, device=self.device)
-            mask[..., past:] = torch.where(visibility.to(self.device), 0.0, blocked).to(self.dtype)
+            hidden = torch.zeros(1, 1, n, past + n, dtype=torch.bool, device=self.device)
+            hidden[..., past:] = ~visibility.to(self.device)
+            mask = torch.zeros(hidden.shape, dtype=self.dtype, device=self.device)
+            mask.masked_fill_(hidden, torch.finfo(self.dtype).min)
             kwargs["attention_mask"] = mask
         if last_only and self._has_logits_to_keep:
             kwargs["logits_to_keep"] = 1

@@ -7,6 +7,9 @@ import torch
 
 from dflash_core import DFlashConfig, DFlashDraftModel, build_target_layer_ids
 
+# Tiny models run fastest on one thread, and the suite stays fast when the machine is busy with other jobs.
+torch.set_num_threads(1)
+
 
 def make_target(family: str = "llama", vocab: int = 64, layers: int = 4, hidden: int = 32, seed: int = 0,
                 dtype: torch.dtype = torch.float64, init: float = 0.2):
