@@ -1,0 +1,178 @@
+"""The DFlash drafter: checkpoint format, cache equivalence, KV injection, compatibility checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import make_draft, make_target
+from dflash_core import (
+    DFlashConfig, DFlashDraftModel, DraftCache, IncompatibleModelError, TargetAdapter, build_target_layer_ids,
+    check_compatibility, dflash_generate, load_draft,
+)
+
+
+def test_build_target_layer_ids_matches_published_formula():
+    assert build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert build_target_layer_ids(36, 1) == [18]
+    assert build_target_layer_ids(30, 5) == [1, 8, 14, 20, 27]
+    assert build_target_layer_ids(28, 4) == [1, 9, 17, 25]
+
+
+def _inputs(draft, ctx_len=11, block=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cfg = draft.config
+    b = block or cfg.block_size
+    dtype = next(draft.parameters()).dtype
+    ctx = torch.randn(1, ctx_len, cfg.num_taps * cfg.hidden_size, generator=g, dtype=dtype)
+    blk = torch.randn(1, b, cfg.hidden_size, generator=g, dtype=dtype)
+    return ctx, blk
+
+
+def test_cached_incremental_pass_equals_full_recompute():
+    draft = make_draft(make_target("qwen3"), block_size=4, layers=2)
+    ctx, blk = _inputs(draft, ctx_len=11)
+    full = draft(blk, ctx, torch.arange(11, 15), torch.arange(11))
+    cache = DraftCache()
+    draft(blk, ctx[:, :6], torch.arange(6, 10), torch.arange(6), cache=cache)  # round 1: 6 context tokens
+    assert cache.length == 6  # the block's keys/values were not kept
+    draft(blk, ctx[:, 6:9], torch.arange(9, 13), torch.arange(6, 9), cache=cache)  # round 2: 3 more
+    incremental = draft(blk, ctx[:, 9:], torch.arange(11, 15), torch.arange(9, 11), cache=cache)
+    assert cache.length == 11
+    torch.testing.assert_close(incremental, full)
+
+
+def test_context_is_injected_and_block_attention_is_bidirectional():
+    draft = make_draft(make_target("llama"), block_size=4, layers=2)
+    ctx, blk = _inputs(draft)
+    base = draft(blk, ctx, torch.arange(11, 15), torch.arange(11))
+    other_ctx = ctx.clone()
+    other_ctx[:, 3] += 1.0
+    assert not torch.allclose(draft(blk, other_ctx, torch.arange(11, 15), torch.arange(11)), base)
+    later = blk.clone()
+    later[:, -1] += 1.0  # changing the LAST block position changes the FIRST one's output: non-causal
+    assert not torch.allclose(draft(later, ctx, torch.arange(11, 15), torch.arange(11))[:, 0], base[:, 0])
+
+
+def test_mask_restricts_attention():
+    draft = make_draft(make_target("llama"), block_size=4)
+    ctx, blk = _inputs(draft)
+    mask = torch.ones(1, 1, 4, 15, dtype=torch.bool)
+    mask[..., 5:11] = False  # context positions 5..10 hidden
+    masked = draft(blk, ctx, torch.arange(11, 15), torch.arange(11), attn_mask=mask)
+    short = draft(blk, ctx[:, :5], torch.arange(11, 15), torch.arange(5))
+    torch.testing.assert_close(masked, short)
+
+
+def test_save_load_round_trip(tmp_path):
+    draft = make_draft(make_target("qwen3"), block_size=8, layers=2, dtype=torch.float32)
+    draft.save_pretrained(tmp_path / "ckpt")
+    raw = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert raw["architectures"] == ["DFlashDraftModel"] and raw["block_size"] == 8
+    assert raw["dflash_config"] == {"mask_token_id": draft.config.mask_token_id,
+                                    "target_layer_ids": list(draft.config.target_layer_ids)}
+    loaded = load_draft(tmp_path / "ckpt")
+    assert loaded.config == draft.config
+    ctx, blk = _inputs(draft)
+    torch.testing.assert_close(loaded(blk, ctx, torch.arange(11, 19), torch.arange(11)),
+                               draft(blk, ctx, torch.arange(11, 19), torch.arange(11)))
+
+
+ZLAB_CONFIG = {
+    "architectures": ["DFlashDraftModel"], "attention_bias": False, "attention_dropout": 0.0,
+    "auto_map": {"AutoModel": "dflash.DFlashDraftModel"}, "block_size": 4, "bos_token_id": 1,
+    "dflash_config": {"mask_token_id": 60, "target_layer_ids": [1, 2]}, "eos_token_id": 2, "head_dim": 8,
+    "hidden_act": "silu", "hidden_size": 32, "initializer_range": 0.02, "intermediate_size": 64,
+    "layer_types": ["full_attention"], "max_position_embeddings": 40960, "max_window_layers": 1,
+    "model_type": "qwen3", "num_attention_heads": 4, "num_hidden_layers": 1, "num_key_value_heads": 2,
+    "num_target_layers": 4, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 10000, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.57.1", "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 64,
+}
+
+
+@pytest.mark.parametrize("prefix", ["", "model."])
+def test_zlab_checkpoint_loads_with_and_without_model_prefix(tmp_path, prefix):
+    ref = DFlashDraftModel(DFlashConfig.from_dict(ZLAB_CONFIG))
+    torch.manual_seed(0)
+    for p in ref.parameters():
+        p.data.normal_(0, 0.3)
+    names = sorted(ref.state_dict())
+    assert "fc.weight" in names and "hidden_norm.weight" in names and "layers.0.self_attn.q_norm.weight" in names
+    (tmp_path / "config.json").write_text(json.dumps(ZLAB_CONFIG))
+    save_file({prefix + k: v.contiguous() for k, v in ref.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    loaded = load_draft(tmp_path, dtype=torch.float32)
+    assert loaded.config.target_layer_ids == (1, 2) and loaded.config.mask_token_id == 60
+    ctx, blk = _inputs(ref)
+    torch.testing.assert_close(loaded(blk, ctx, torch.arange(11, 15), torch.arange(11)),
+                               ref(blk, ctx, torch.arange(11, 15), torch.arange(11)))
+    target = make_target("qwen3", vocab=64, dtype=torch.float32)
+    check_compatibility(target, loaded)
+    out = dflash_generate(target, loaded, torch.tensor([[1, 2, 3]]), max_new_tokens=8)
+    assert len(out.new_token_ids) == 8
+
+
+def test_checkpoint_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        tmp_path.joinpath("empty").mkdir()
+        load_draft(tmp_path / "empty")
+    bad = dict(ZLAB_CONFIG)
+    del bad["dflash_config"]
+    with pytest.raises(ValueError, match="dflash_config"):
+        DFlashConfig.from_dict(bad)
+    (tmp_path / "config.json").write_text(json.dumps(ZLAB_CONFIG))
+    save_file({"fc.weight": torch.zeros(32, 64)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="missing"):
+        load_draft(tmp_path)
+
+
+def test_compatibility_errors_say_what_to_fix():
+    target = make_target("llama", vocab=64, layers=4)
+    good = make_draft(target)
+    check_compatibility(target, good)
+
+    def variant(**changes):
+        return DFlashDraftModel(DFlashConfig(**{**good.config.__dict__, **changes}))
+
+    cases = [
+        (dict(hidden_size=48, head_dim=12), "hidden_size"),
+        (dict(vocab_size=65), "vocab_size"),
+        (dict(target_layer_ids=(1, 7)), "only 4 layers"),
+        (dict(num_target_layers=36), "36 layers"),
+        (dict(mask_token_id=64), "mask_token_id"),
+    ]
+    for changes, message in cases:
+        with pytest.raises(IncompatibleModelError, match=message):
+            check_compatibility(target, variant(**changes))
+    with pytest.raises(IncompatibleModelError, match="out of range"):
+        TargetAdapter(target, (0, 9))
+
+
+def test_unsupported_targets_are_refused():
+    from transformers import AutoModelForCausalLM, GPT2Config, Qwen3Config
+
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32))
+    with pytest.raises(IncompatibleModelError, match="not supported"):
+        TargetAdapter(gpt2)
+    sliding = Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True, sliding_window=8,
+                          max_window_layers=0)
+    with pytest.raises(IncompatibleModelError, match="sliding-window"):
+        TargetAdapter(AutoModelForCausalLM.from_config(sliding))
+
+
+def test_adapter_causal_mask_reproduces_plain_forward():
+    target = make_target("qwen3", vocab=64, dtype=torch.float32)
+    adapter = TargetAdapter(target, (1,))
+    ids = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(0))
+    c1, c2 = adapter.new_cache(), adapter.new_cache()
+    adapter.forward(ids[:5], torch.arange(5), c1)
+    adapter.forward(ids[:5], torch.arange(5), c2)
+    plain = adapter.forward(ids[5:], torch.arange(5, 12), c1)
+    masked = adapter.forward(ids[5:], torch.arange(5, 12), c2, visibility=torch.ones(7, 7, dtype=torch.bool).tril())
+    torch.testing.assert_close(masked.logits, plain.logits, atol=1e-5, rtol=1e-5)
+    adapter.crop(c1, 8)
+    assert adapter.cache_length(c1) == 8
