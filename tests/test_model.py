@@ -176,3 +176,50 @@ def test_adapter_causal_mask_reproduces_plain_forward():
     torch.testing.assert_close(masked.logits, plain.logits, atol=1e-5, rtol=1e-5)
     adapter.crop(c1, 8)
     assert adapter.cache_length(c1) == 8
+
+
+def reference_forward(draft: DFlashDraftModel, block: torch.Tensor, context: torch.Tensor,
+                      block_pos: torch.Tensor, context_pos: torch.Tensor) -> torch.Tensor:
+    """FACTS §1 written out naively (per head, float64): an independent oracle for the drafter's forward."""
+    cfg = draft.config
+    w = {k: v.double() for k, v in draft.state_dict().items()}
+    eps, hd = cfg.rms_norm_eps, cfg.head_dim
+
+    def rms(x, weight):
+        return weight * (x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps))
+
+    def rope(x, pos):  # x: [S, heads, hd]
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+        ang = pos.double()[:, None] * inv[None]
+        cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+        rot = torch.cat([-x[..., hd // 2:], x[..., : hd // 2]], -1)
+        return x * cos + rot * sin
+
+    ctx = rms(context[0].double() @ w["fc.weight"].T, w["hidden_norm.weight"])  # [Nc, hidden]
+    h = block[0].double()
+    all_pos = torch.cat([context_pos, block_pos])
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        x = rms(h, w[p + "input_layernorm.weight"])
+        q = rope(rms((x @ w[p + "self_attn.q_proj.weight"].T).view(len(x), -1, hd), w[p + "self_attn.q_norm.weight"]), block_pos)
+        kv_in = torch.cat([ctx, x])  # context features first, then the block
+        k = rope(rms((kv_in @ w[p + "self_attn.k_proj.weight"].T).view(len(kv_in), -1, hd), w[p + "self_attn.k_norm.weight"]), all_pos)
+        v = (kv_in @ w[p + "self_attn.v_proj.weight"].T).view(len(kv_in), -1, hd)
+        heads = []
+        for head in range(cfg.num_attention_heads):
+            scores = q[:, head] @ k[:, head // group].T / hd ** 0.5  # no mask: bidirectional, sees all context
+            heads.append(torch.softmax(scores, -1) @ v[:, head // group])
+        h = h + torch.cat(heads, -1) @ w[p + "self_attn.o_proj.weight"].T
+        y = rms(h, w[p + "post_attention_layernorm.weight"])
+        gate, up = y @ w[p + "mlp.gate_proj.weight"].T, y @ w[p + "mlp.up_proj.weight"].T
+        h = h + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+    return rms(h, w["norm.weight"])[None]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_forward_matches_naive_reference_of_the_published_architecture(family):
+    draft = make_draft(make_target(family), block_size=5, layers=2)
+    ctx, blk = _inputs(draft, ctx_len=9)
+    got = draft(blk, ctx, torch.arange(20, 25), torch.arange(11, 20))
+    torch.testing.assert_close(got, reference_forward(draft, blk, ctx, torch.arange(20, 25), torch.arange(11, 20)))
