@@ -1,0 +1,738 @@
+"""The benchmark runner: ``python -m experiments.benchmark [--preset default|quick|paper|tiny] [overrides]``.
+
+For every (temperature, dataset, sample, turn) the runner generates with every method variant back to back on the
+same prompt: AR first (the reference for ``matches_ar`` and, for MT-Bench, the shared conversation history), then
+DFlash and the DDTree budgets in an order that rotates from turn to turn, so drift and noise hit all methods alike.
+Each variant gets one untimed warm-up generation before anything is timed.
+
+A run folder (``--out``, default ``runs/<preset>``) holds::
+
+    records.jsonl          one SampleRecord per finished (dataset, sample, turn, method variant, temperature)
+    records.rank<r>.jsonl  per-rank records while a torchrun run is in flight (rank 0 merges them at the end)
+    manifest.json          environment and resolved preset (experiments.schema.Manifest), replaced atomically
+
+Every record is appended (and fsynced) as soon as its generation ends, so an interrupted run loses at most the
+generation in flight; rerunning the same command skips every finished record. A preset with several model pairs
+(``paper``) writes one such folder per pair under ``--out``.
+
+Multi-GPU: under ``torchrun --nproc_per_node=G`` the conversations are dealt round-robin to the ranks, each rank
+uses its own GPU (or, for a ``device_map="auto"`` target, its share of the GPUs) and writes its own records file;
+after a barrier rank 0 merges them into ``records.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import glob
+import os
+import sys
+import tempfile
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from experiments.datasets import BenchmarkItem, DatasetUnavailableError, build_chat, select_items
+from experiments.presets import BUDGET_POLICIES, DTYPES, PRESETS, ModelPair, Preset, get_preset, with_overrides
+from experiments.schema import (
+    EXTRA_TREE_SIZES, MANIFEST_FILENAME, RECORDS_FILENAME, Manifest, SampleRecord, append_record, method_label,
+    read_records, record_key,
+)
+
+__all__ = ["Variant", "Models", "RankInfo", "load_models", "make_variants", "run_benchmark", "run_pair", "main"]
+
+RANK_RECORDS_GLOB = "records.rank*.jsonl"
+WARMUP_PROMPT = "Count from one to ten."
+_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
+
+
+def log(message: str) -> None:
+    print(f"[benchmark] {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------- method variants
+@dataclass(frozen=True)
+class Variant:
+    """One method as measured: ``ar``, ``dflash``, or ``ddtree`` with a node budget (int) or policy (``"auto"``)."""
+
+    method: str
+    budget: int | str | None = None
+
+    @property
+    def policy(self) -> str:
+        if self.method != "ddtree":
+            return {"ar": "ar", "dflash": "chain"}[self.method]
+        return "fixed" if isinstance(self.budget, int) else str(self.budget)
+
+    @property
+    def label(self) -> str:
+        return method_label(self.method, self.policy, self.budget)
+
+    def key(self, dataset: str, sample_id: str, turn: int, temperature: float) -> tuple:
+        return record_key(dataset, sample_id, turn, self.method, self.budget, temperature)
+
+    def generate(self, models: "Models", input_ids: torch.Tensor, max_new_tokens: int, temperature: float,
+                 seed: int):
+        from dflash_core import autoregressive_generate, dflash_generate
+
+        args = dict(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=models.stop_token_ids,
+                    seed=seed)
+        if self.method == "ar":
+            return autoregressive_generate(models.target, input_ids, **args)
+        if self.method == "dflash":
+            return dflash_generate(models.target, models.draft, input_ids, **args)
+        from ddtree import ddtree_generate
+
+        return ddtree_generate(models.target, models.draft, input_ids, budget=self.budget, **args)
+
+
+def budget_supported(budget: int | str) -> bool:
+    """Integer budgets always are; a policy such as ``"auto"`` when the installed ddtree implements it."""
+    if isinstance(budget, int):
+        return True
+    if budget == "auto":
+        try:
+            import ddtree.budget  # noqa: F401
+        except ImportError:
+            return False
+        return True
+    return False
+
+
+def make_variants(preset: Preset) -> list[Variant]:
+    """The preset's method variants, AR first; optional budgets the installed ddtree lacks are left out."""
+    variants = []
+    for method in ("ar", "dflash", "ddtree"):
+        if method not in preset.methods:
+            continue
+        if method != "ddtree":
+            variants.append(Variant(method))
+            continue
+        for budget in preset.budgets:
+            if budget_supported(budget):
+                variants.append(Variant("ddtree", budget))
+            elif budget in preset.optional_budgets:
+                log(f"note: DDTree budget {budget!r} is not supported by the installed ddtree; skipped")
+            else:
+                raise ValueError(f"DDTree budget {budget!r} is not supported by the installed ddtree")
+    return variants
+
+
+# ---------------------------------------------------------------------------------------------------- models
+class ByteTokenizer:
+    """Bytes as tokens (ids 0-255) plus four specials; the tiny preset's tokenizer (no files, no chat template)."""
+
+    chat_template = None
+    bos_token_id, eos_token_id, pad_token_id, mask_token_id = 256, 257, 258, 259
+    vocab_size = 260
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return ([self.bos_token_id] if add_special_tokens else []) + list(text.encode("utf-8"))
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        ids = [int(i) for i in ids]
+        data = bytes(i for i in ids if i < 256) if skip_special_tokens else bytes(i % 256 for i in ids)
+        return data.decode("utf-8", errors="replace")
+
+
+@dataclass
+class Models:
+    """A loaded target/drafter pair and what the runner needs around it."""
+
+    target: Any
+    draft: Any
+    tokenizer: Any
+    stop_token_ids: list[int]
+    pair: ModelPair
+    dtype: torch.dtype
+    device: torch.device
+
+    def describe(self) -> dict[str, Any]:
+        cfg = self.target.config
+        info = {"target": self.pair.target, "draft": self.pair.draft, "model_type": cfg.model_type,
+                "target_params": sum(p.numel() for p in self.target.parameters()),
+                "stop_token_ids": self.stop_token_ids}
+        if self.draft is not None:
+            info["draft_params"] = sum(p.numel() for p in self.draft.parameters())
+            info["draft_config"] = {"layers": self.draft.config.num_hidden_layers,
+                                    "block_size": self.draft.config.block_size,
+                                    "target_layer_ids": list(self.draft.config.target_layer_ids),
+                                    "mask_token_id": self.draft.config.mask_token_id}
+        return info
+
+
+def tiny_target(vocab: int = ByteTokenizer.vocab_size, layers: int = 4, hidden: int = 32, seed: int = 0):
+    """A random tiny Llama; a wide init keeps its distributions peaked, so greedy near-ties are rare."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         initializer_range=0.2, tie_word_embeddings=False)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def random_draft(target, layers: int = 1, taps: int = 5, block_size: int = 16, mask_token_id: int | None = None,
+                 seed: int = 1):
+    """A DFlash drafter with random weights shaped for ``target`` (same dtype and device as its LM head).
+
+    It proposes nonsense, so speculative methods gain nothing; it exercises every code path at the right sizes.
+    """
+    from dflash_core import DFlashConfig, DFlashDraftModel, build_target_layer_ids
+
+    cfg = target.config
+    n_layers = int(cfg.num_hidden_layers)
+    taps = max(1, min(taps, n_layers))
+    if n_layers >= taps + 4:
+        layer_ids = build_target_layer_ids(n_layers, taps)
+    else:  # too shallow for the published spread rule: spread evenly over all layers
+        layer_ids = sorted({round(i * (n_layers - 1) / max(taps - 1, 1)) for i in range(taps)})
+    heads = int(cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    vocab = int(target.lm_head.weight.shape[0])
+    config = DFlashConfig(
+        hidden_size=int(cfg.hidden_size), num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=int(getattr(cfg, "num_key_value_heads", heads)), head_dim=head_dim,
+        intermediate_size=int(cfg.intermediate_size), vocab_size=vocab, target_layer_ids=tuple(layer_ids),
+        mask_token_id=vocab - 1 if mask_token_id is None else mask_token_id, num_target_layers=n_layers,
+        block_size=block_size, rope_theta=float(getattr(cfg, "rope_theta", None) or 10000.0),
+    )
+    weight = target.lm_head.weight
+    torch.manual_seed(seed)
+    with torch.device(weight.device):
+        draft = DFlashDraftModel(config)
+    return draft.to(weight.dtype).eval()
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        from dflash_core.default import default_dtype
+
+        return default_dtype(device)
+    return _TORCH_DTYPES[name]
+
+
+def _stop_ids(tokenizer, target) -> list[int]:
+    ids = set()
+    for value in (getattr(tokenizer, "eos_token_id", None), getattr(target.generation_config, "eos_token_id", None)):
+        ids.update([value] if isinstance(value, int) else (value or []))
+    for token in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
+        if token in (getattr(tokenizer, "get_vocab", dict)() or {}):
+            ids.add(tokenizer.convert_tokens_to_ids(token))
+    return sorted(i for i in ids if isinstance(i, int) and i >= 0)
+
+
+def _device_map(pair: ModelPair, device: torch.device, rank: "RankInfo") -> dict[str, Any]:
+    """from_pretrained arguments placing a ``device_map="auto"`` target on this rank's share of the GPUs."""
+    if pair.device_map != "auto" or device.type != "cuda":
+        return {}
+    n = torch.cuda.device_count()
+    per_rank = max(1, n // rank.world)
+    first = (rank.local_rank * per_rank) % n
+    gpus = range(first, min(first + per_rank, n))
+    return {"device_map": "auto",
+            "max_memory": {g: torch.cuda.get_device_properties(g).total_memory for g in gpus}}
+
+
+def load_models(pair: ModelPair, dtype_name: str, device: torch.device, rank: "RankInfo | None" = None) -> Models:
+    """Load (or build) the target, its tokenizer and the drafter of ``pair`` in the requested dtype."""
+    from dflash_core import check_compatibility, load_draft
+
+    rank = rank or RankInfo()
+    dtype = resolve_dtype(dtype_name, device)
+    if pair.target == "default":
+        from dflash_core.default import load_default_target, stop_token_ids
+
+        target, tokenizer = load_default_target(dtype, device)
+        stops = stop_token_ids(tokenizer)
+    elif pair.target == "tiny":
+        target, tokenizer = tiny_target().to(device=device, dtype=dtype), ByteTokenizer()
+        stops = [tokenizer.eos_token_id]
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        placement = _device_map(pair, device, rank)
+        tokenizer = AutoTokenizer.from_pretrained(pair.target)
+        target = AutoModelForCausalLM.from_pretrained(pair.target, dtype=dtype, attn_implementation="sdpa",
+                                                      **placement).eval()
+        if not placement:
+            target = target.to(device)
+        stops = _stop_ids(tokenizer, target)
+
+    head = target.lm_head.weight
+    if pair.draft == "random":
+        tiny = pair.target == "tiny"
+        draft = random_draft(target, layers=1 if tiny else 2, taps=2 if tiny else 5, block_size=8 if tiny else 16)
+    elif pair.draft == "default":
+        from dflash_core.default import DEFAULT_DRAFT_DIR
+
+        if not (DEFAULT_DRAFT_DIR / "model.safetensors").is_file():
+            raise FileNotFoundError(
+                f"the shipped drafter is not in {DEFAULT_DRAFT_DIR} yet; pass --draft PATH for a DFlash checkpoint, "
+                "or --draft random to check the whole path with a random drafter (no speedup)")
+        draft = load_draft(DEFAULT_DRAFT_DIR, device=head.device, dtype=head.dtype)
+    else:
+        draft = load_draft(pair.draft, device=head.device, dtype=head.dtype)
+    check_compatibility(target, draft)
+    return Models(target, draft, tokenizer, stops, pair, head.dtype, head.device)
+
+
+# ---------------------------------------------------------------------------------------------------- ranks
+@dataclass(frozen=True)
+class RankInfo:
+    """This process's place in a torchrun launch (rank 0 of 1 otherwise)."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def from_env(cls) -> "RankInfo":
+        env = os.environ
+        return cls(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def records_path(self, folder: Path) -> Path:
+        return folder / (RECORDS_FILENAME if self.world == 1 else f"records.rank{self.rank}.jsonl")
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+
+@contextlib.contextmanager
+def process_group(rank: RankInfo):
+    """A gloo group (CPU tensors only, long timeout) just for the end-of-run barrier; nothing else is collective."""
+    if rank.world == 1:
+        yield
+        return
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(hours=48))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def pick_device(name: str, rank: RankInfo) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("this run needs CUDA (the paper preset's models do not fit a CPU run), and no GPU is "
+                         "visible; use --preset default or quick on a machine without a GPU")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", rank.local_rank % max(torch.cuda.device_count(), 1))
+        torch.cuda.set_device(device)
+    return device
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"cpu ({line.split(':', 1)[1].strip()}, {torch.get_num_threads()} threads)"
+    except OSError:
+        pass
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
+# ---------------------------------------------------------------------------------------------------- records on disk
+def existing_records(folder: Path) -> dict[tuple, SampleRecord]:
+    """Finished records of a run folder, from the merged file and any per-rank files, by resume key."""
+    done: dict[tuple, SampleRecord] = {}
+    files = [folder / RECORDS_FILENAME] + sorted(Path(p) for p in glob.glob(str(folder / RANK_RECORDS_GLOB)))
+    for path in files:
+        if path.is_file():
+            for record in read_records(path):
+                done.setdefault(record.record_key(), record)
+    return done
+
+
+def merge_rank_files(folder: Path) -> Path:
+    """Fold ``records.rank*.jsonl`` into ``records.jsonl`` (atomic replace), then delete the rank files."""
+    target = folder / RECORDS_FILENAME
+    rank_files = sorted(Path(p) for p in glob.glob(str(folder / RANK_RECORDS_GLOB)))
+    if not rank_files:
+        return target
+    records = list(existing_records(folder).values())
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{RECORDS_FILENAME}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.writelines(record.to_json() + "\n" for record in records)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    for path in rank_files:
+        path.unlink()
+    return target
+
+
+# Settings that change what a record means: a rerun into the same folder must keep them.
+_IDENTITY_FIELDS = ("max_new_tokens", "dtype", "seed")
+
+
+def check_resumable(folder: Path, preset: Preset, pair: ModelPair) -> Manifest | None:
+    """The folder's manifest; raises when it was written for different models or settings."""
+    path = folder / MANIFEST_FILENAME
+    if not path.is_file():
+        return None
+    manifest = Manifest.read(path)
+    old = manifest.extra.get("preset") or {}
+    old_pair = manifest.extra.get("pair") or {}
+    diffs = [f"{k}: {old.get(k)!r} -> {getattr(preset, k)!r}" for k in _IDENTITY_FIELDS
+             if k in old and old[k] != getattr(preset, k)]
+    diffs += [f"{k}: {old_pair.get(k)!r} -> {getattr(pair, k)!r}" for k in ("target", "draft")
+              if k in old_pair and old_pair[k] != getattr(pair, k)]
+    if diffs:
+        raise ValueError(f"{folder} holds a run with other settings ({'; '.join(diffs)}); "
+                         "use a new --out folder, or the same settings to resume it")
+    return manifest
+
+
+def write_manifest(folder: Path, preset: Preset, models: Models, rank: RankInfo, previous: Manifest | None,
+                   session: dict[str, Any]) -> None:
+    sessions = list((previous.extra.get("sessions") if previous else None) or []) + [session]
+    manifest = Manifest.create(
+        command_line=list(session.get("command_line") or sys.argv),
+        device=device_name(models.device), dtype=str(models.dtype).removeprefix("torch."),
+        attention_backend=getattr(models.target.config, "_attn_implementation", None), seed=preset.seed,
+        preset=preset.name,
+        extra={"preset": preset.to_dict(), "pair": dataclasses.asdict(models.pair), "models": models.describe(),
+               "world_size": rank.world, "sessions": sessions},
+    )
+    if previous is not None:  # plots orders runs by their creation time: keep the first session's
+        manifest.created_at = previous.created_at
+    manifest.write(folder / MANIFEST_FILENAME)
+
+
+def finish_manifest(folder: Path, complete: bool) -> None:
+    """Stamp the end of this session into the manifest (a session without it crashed or was killed)."""
+    manifest = Manifest.read(folder / MANIFEST_FILENAME)
+    if manifest.extra.get("sessions"):
+        manifest.extra["sessions"][-1].update(finished_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), complete=complete)
+        manifest.write(folder / MANIFEST_FILENAME)
+
+
+# ---------------------------------------------------------------------------------------------------- one conversation
+@dataclass(frozen=True)
+class Conversation:
+    """One benchmark item at one temperature; its turns run in order (MT-Bench: 2)."""
+
+    item: BenchmarkItem
+    temperature: float
+    index: int  # position in the run's global order (ranks take every world-th)
+
+
+def conversations(preset: Preset) -> list[Conversation]:
+    out = []
+    for temperature in preset.temperatures:
+        for dataset in preset.datasets:
+            for item in select_items(dataset, preset.samples_for(dataset), preset.seed):
+                out.append(Conversation(item, temperature, len(out)))
+    return out
+
+
+def generation_seed(seed: int, dataset: str, sample_id: str, turn: int) -> int:
+    """The sampling seed of one turn, shared by every method variant (stable across runs and ranks)."""
+    return zlib.crc32(f"{seed}:{dataset}:{sample_id}:{turn}".encode()) & 0x7FFFFFFF
+
+
+def _answer_text(tokenizer, token_ids: Sequence[int], stops: Sequence[int]) -> str:
+    ids = list(token_ids)
+    while ids and ids[-1] in stops:
+        ids.pop()
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def first_mismatch(output: Sequence[int], reference: Sequence[int]) -> int | None:
+    """Index of the first token where ``output`` leaves ``reference`` (None when equal)."""
+    if list(output) == list(reference):
+        return None
+    return next((i for i, (a, b) in enumerate(zip(output, reference)) if a != b), min(len(output), len(reference)))
+
+
+def _record(variant: Variant, conv: Conversation, turn: int, result, seed: int, models: Models, wall_s: float,
+            reference: list[int] | None, order: int) -> SampleRecord:
+    """``reference``: AR's output to compare with (greedy only), or None."""
+    timings = dict(result.timings)
+    out = list(result.new_token_ids)
+    extra: dict[str, Any] = {"output_ids": out, "wall_s": round(wall_s, 6), "order": order,
+                             "stopped": bool(out) and out[-1] in models.stop_token_ids}
+    matches_ar = None
+    if reference is not None and variant.method != "ar":
+        extra["first_mismatch"] = first_mismatch(out, reference)  # where a bf16 near-tie flipped the argmax
+        matches_ar = extra["first_mismatch"] is None
+    if variant.method != "ar":
+        extra[EXTRA_TREE_SIZES] = list(result.tree_sizes)
+        extra["expected_acceptance"] = [round(float(x), 4) for x in result.expected_acceptance]
+    return SampleRecord(
+        dataset=conv.item.dataset, sample_id=conv.item.sample_id, turn=turn, method=variant.method,
+        budget=variant.budget, policy=variant.policy, temperature=conv.temperature,
+        num_input_tokens=result.num_input_tokens, num_new_tokens=len(result.new_token_ids),
+        prefill_s=float(timings.pop("prefill", 0.0)), decode_s=float(timings.pop("decode", 0.0)),
+        acceptance_lengths=list(result.acceptance_lengths), stage_times={k: float(v) for k, v in timings.items()},
+        matches_ar=matches_ar, seed=seed, dtype=str(models.dtype).removeprefix("torch."), extra=extra,
+    )
+
+
+class StopRun(Exception):
+    """Raised when the generation limit of this session (``--max-generations``) is reached."""
+
+
+class Session:
+    """Runs conversations for one model pair, appending a record per finished generation."""
+
+    def __init__(self, preset: Preset, models: Models, variants: list[Variant], records_path: Path,
+                 done: dict[tuple, SampleRecord], progress, max_generations: int | None = None) -> None:
+        self.preset, self.models, self.variants = preset, models, variants
+        self.records_path, self.done, self.progress = records_path, done, progress
+        self.remaining = max_generations
+        self.ar = Variant("ar") if Variant("ar") in variants else None
+        self.others = [v for v in variants if v.method != "ar"]
+        self.chat_kwargs = dict(models.pair.chat_template_kwargs) or None
+
+    def pending(self, conv: Conversation) -> int:
+        item = conv.item
+        return sum(v.key(item.dataset, item.sample_id, turn, conv.temperature) not in self.done
+                   for turn in range(len(item.turns)) for v in self.variants)
+
+    def _generate(self, variant: Variant, input_ids: torch.Tensor, temperature: float, seed: int):
+        t0 = time.perf_counter()
+        result = variant.generate(self.models, input_ids, self.preset.max_new_tokens, temperature, seed)
+        return result, time.perf_counter() - t0
+
+    def _write(self, record: SampleRecord) -> None:
+        append_record(self.records_path, record)
+        self.done[record.record_key()] = record
+        self.progress.update(1)
+        self.progress.set_postfix_str(f"{record.dataset} {method_label(record.method, record.policy, record.budget)}"
+                                      f" τ={record.tau or 0:.2f}", refresh=False)
+        if self.remaining is not None:
+            self.remaining -= 1
+            if self.remaining <= 0:
+                raise StopRun
+
+    def _reference(self, conv: Conversation, turn: int, input_ids: torch.Tensor, seed: int) -> list[int] | None:
+        """AR's output for this turn: from its record, freshly generated (and recorded), or None when AR is not
+        measured and nothing needs it."""
+        item, t = conv.item, conv.temperature
+        if self.ar is not None:
+            record = self.done.get(self.ar.key(item.dataset, item.sample_id, turn, t))
+            if record is not None and "output_ids" in record.extra:
+                return list(record.extra["output_ids"])
+            result, wall = self._generate(self.ar, input_ids, t, seed)
+            if record is None:
+                self._write(_record(self.ar, conv, turn, result, seed, self.models, wall, None, order=0))
+            return result.new_token_ids
+        if turn + 1 < len(item.turns):  # not measured, but the next turn continues AR's answer
+            return self._generate(Variant("ar"), input_ids, t, seed)[0].new_token_ids
+        return None
+
+    def run(self, conv: Conversation) -> None:
+        item, t = conv.item, conv.temperature
+        answers: list[str] = []
+        for turn in range(len(item.turns)):
+            keys = {v: v.key(item.dataset, item.sample_id, turn, t) for v in self.variants}
+            later_pending = any(v.key(item.dataset, item.sample_id, later, t) not in self.done
+                                for later in range(turn + 1, len(item.turns)) for v in self.variants)
+            if not later_pending and all(k in self.done for k in keys.values()):
+                continue  # nothing left in this turn, and no later turn needs its answer
+            ids = build_chat(self.models.tokenizer, item.turns[: turn + 1], answers,
+                             chat_template_kwargs=self.chat_kwargs)
+            input_ids = torch.tensor([ids], dtype=torch.long)
+            seed = generation_seed(self.preset.seed, item.dataset, item.sample_id, turn)
+            reference = self._reference(conv, turn, input_ids, seed)
+            shift = (conv.index + turn) % max(len(self.others), 1)
+            for order, variant in enumerate(self.others[shift:] + self.others[:shift], start=1):
+                if keys[variant] in self.done:
+                    continue
+                result, wall = self._generate(variant, input_ids, t, seed)
+                compare_with = reference if t == 0 else None  # sampled outputs differ from AR's by design
+                self._write(_record(variant, conv, turn, result, seed, self.models, wall, compare_with, order))
+            if turn + 1 < len(item.turns):
+                answers.append(_answer_text(self.models.tokenizer, reference or [], self.models.stop_token_ids))
+
+    def warm_up(self) -> None:
+        """One short untimed generation per variant (kernels, allocator, ``auto``'s cost measurement)."""
+        ids = build_chat(self.models.tokenizer, [WARMUP_PROMPT], chat_template_kwargs=self.chat_kwargs)
+        input_ids = torch.tensor([ids], dtype=torch.long)
+        for variant in self.variants:
+            variant.generate(self.models, input_ids, self.preset.warmup_tokens, 0.0, 0)
+
+
+# ---------------------------------------------------------------------------------------------------- the run
+def run_pair(preset: Preset, pair: ModelPair, folder: Path, *, device: torch.device, rank: RankInfo,
+             max_generations: int | None = None, command_line: Sequence[str] = ()) -> bool:
+    """Run (or resume) one model pair into ``folder``; True when every record of this rank's share is done."""
+    folder.mkdir(parents=True, exist_ok=True)
+    previous = check_resumable(folder, preset, pair)
+    variants = make_variants(preset)
+    done = existing_records(folder)
+    mine = [c for c in conversations(preset) if c.index % rank.world == rank.rank]
+    if not variants:
+        raise ValueError("nothing to run: no method variants")
+    log(f"{pair.slug}: loading target {pair.target!r} and drafter {pair.draft!r}")
+    t0 = time.perf_counter()
+    models = load_models(pair, preset.dtype, device, rank)
+    log(f"{pair.slug}: loaded in {time.perf_counter() - t0:.1f} s on {device_name(models.device)}, "
+        f"{str(models.dtype).removeprefix('torch.')}; variants: {', '.join(v.label for v in variants)}")
+    session_info = {"started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command_line": list(command_line),
+                    "rank_world": rank.world}
+    if rank.is_main:
+        write_manifest(folder, preset, models, rank, previous, session_info)
+
+    complete = _run_conversations(preset, models, variants, mine, done, rank.records_path(folder), rank,
+                                  max_generations)
+    if rank.is_main:
+        finish_manifest(folder, complete)
+    return complete
+
+
+def _run_conversations(preset: Preset, models: Models, variants: list[Variant], mine: list[Conversation],
+                       done: dict[tuple, SampleRecord], records_path: Path, rank: RankInfo,
+                       max_generations: int | None) -> bool:
+    from tqdm import tqdm
+
+    slug = models.pair.slug
+    with tqdm(total=0, desc=f"{slug} r{rank.rank}" if rank.world > 1 else slug, unit="gen",
+              position=rank.rank, dynamic_ncols=True, file=sys.stderr) as progress:
+        session = Session(preset, models, variants, records_path, done, progress, max_generations)
+        todo = [c for c in mine if session.pending(c)]
+        progress.total = sum(session.pending(c) for c in todo)
+        progress.refresh()
+        if not todo:
+            log(f"{slug}: all {len(mine)} conversations of this rank are already done")
+            return True
+        t_warm = time.perf_counter()
+        session.warm_up()
+        log(f"{slug}: warm-up {time.perf_counter() - t_warm:.1f} s; "
+            f"{progress.total} generations to go ({len(done)} records already done)")
+        try:
+            for conv in todo:
+                session.run(conv)
+        except StopRun:
+            log("stopped after --max-generations; rerun the same command to continue")
+            return False
+    return True
+
+
+def output_folders(preset: Preset, out: Path) -> list[tuple[ModelPair, Path]]:
+    if len(preset.models) == 1:
+        return [(preset.models[0], out)]
+    return [(pair, out / pair.slug) for pair in preset.models]
+
+
+def run_benchmark(preset: Preset, out: str | Path, *, max_generations: int | None = None,
+                  command_line: Sequence[str] = (), rank: RankInfo | None = None, summary: bool = True) -> bool:
+    """Run every model pair of ``preset`` into ``out``; returns True when all records are done. Rank 0 merges
+    per-rank records and prints the summary table."""
+    from plots import summary_table
+
+    rank = rank or RankInfo.from_env()
+    out = Path(out)
+    complete = True
+    with process_group(rank):
+        torch_device = pick_device(preset.device, rank)
+        for pair, folder in output_folders(preset, out):
+            finished = run_pair(preset, pair, folder, device=torch_device, rank=rank,
+                                max_generations=max_generations, command_line=command_line)
+            complete &= finished
+            rank.barrier()
+            if rank.is_main:
+                path = merge_rank_files(folder)
+                if summary and path.is_file():
+                    records = read_records(path)
+                    print(f"\n## {pair.slug}: {pair.target} + {pair.draft} ({len(records)} records)\n", flush=True)
+                    print(summary_table(records), flush=True)
+                    print(f"records:  {path}\nmanifest: {folder / MANIFEST_FILENAME}\n"
+                          f"figures:  python plot_results.py --runs {folder}", flush=True)
+            if not finished and rank.world == 1:
+                break  # --max-generations reached: the remaining pairs wait for the next session
+    return complete
+
+
+# ---------------------------------------------------------------------------------------------------- command line
+def _csv(kind):
+    def parse(text: str):
+        return tuple(kind(part.strip()) for part in text.split(",") if part.strip())
+    return parse
+
+
+def _budget(text: str) -> int | str:
+    return text if text in BUDGET_POLICIES else int(text)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m experiments.benchmark", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="default", choices=sorted(PRESETS), help="base configuration")
+    parser.add_argument("--target", help="'default', 'tiny', or a Hugging Face id / folder (replaces the preset's)")
+    parser.add_argument("--draft", help="'default', 'random', or a DFlash checkpoint folder / hub id")
+    parser.add_argument("--datasets", type=_csv(str), help="comma-separated, e.g. gsm8k,humaneval,mt-bench")
+    parser.add_argument("--max-samples", type=int, help="samples per dataset")
+    parser.add_argument("--max-new-tokens", type=int)
+    parser.add_argument("--methods", type=_csv(str), help="comma-separated subset of ar,dflash,ddtree")
+    parser.add_argument("--budgets", type=_csv(_budget), help="DDTree budgets, e.g. 8,16,32,64,auto")
+    parser.add_argument("--temperatures", type=_csv(float), help="e.g. 0 or 0,1")
+    parser.add_argument("--dtype", choices=DTYPES)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--device", help="auto (CUDA when available), cpu, cuda, cuda:1, ... (default: the preset's)")
+    parser.add_argument("--out", help="run folder (default: runs/<preset>); rerun with the same folder to resume")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    parser.add_argument("--max-generations", type=int, default=None,
+                        help="stop this session after N generations (the run resumes from there next time)")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        preset = with_overrides(
+            get_preset(args.preset), target=args.target, draft=args.draft, datasets=args.datasets,
+            max_samples=args.max_samples, max_new_tokens=args.max_new_tokens, methods=args.methods,
+            budgets=args.budgets, temperatures=args.temperatures, dtype=args.dtype, seed=args.seed, device=args.device)
+    except ValueError as err:
+        print(f"benchmark: {err}", file=sys.stderr)
+        return 2
+    out = Path(args.out or Path("runs") / preset.name)
+    command_line = [sys.executable, "-m", "experiments.benchmark", *(sys.argv[1:] if argv is None else argv)]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    try:
+        complete = run_benchmark(preset, out, max_generations=args.max_generations,
+                                 command_line=command_line)
+    except (FileNotFoundError, ValueError, ImportError, DatasetUnavailableError) as err:
+        print(f"benchmark: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"\nbenchmark: interrupted; finished records are kept in {out}; rerun the same command to resume",
+              file=sys.stderr)
+        return 130
+    log(f"{'done' if complete else 'incomplete'} in {time.perf_counter() - t0:.1f} s")
+    return 0 if complete else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

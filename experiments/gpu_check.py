@@ -1,0 +1,375 @@
+"""GPU check: does tree verification hold up on CUDA at real model sizes, and what does it cost there?
+
+    python -m experiments.gpu_check --out experiments/profiles/h200.json          # CUDA, bf16, at most ~8 min
+    python -m experiments.gpu_check --allow-cpu --tiny --out /tmp/profile.json    # the code path on a tiny model
+
+No downloads: the targets are random-weight models built from the Qwen3-4B and Qwen3-8B configurations (numbers
+below), each with a random DFlash drafter of the published shape (5 layers, 5 tapped target layers, block 16).
+Random weights are enough for what is measured here, because cost depends only on shapes and the checks compare the
+target with itself:
+
+1. tree-attention oracle: the target's logits at every node of a best-first tree, verified in ONE forward under the
+   ancestor mask, against a plain causal forward over that node's root path on the same cache (max |diff|, argmax
+   agreement);
+2. greedy losslessness: ``ddtree_generate`` (chain, and fixed budgets) against ``autoregressive_generate`` on random
+   prompts, exact token match (bf16 is not bit-exact across different token counts per forward, so a mismatch in
+   bf16 is reported, and the same check in fp32 on the smaller model tells a numeric tie from a bug);
+3. verify cost curve: one target forward appending N tokens (a root plus N-1 tree nodes under the tree mask, and the
+   same N tokens causally) to a ~512-token cache, N = 1, 2, 4, ..., 1024; CUDA events, median of several runs;
+4. drafter cost: one drafter pass (block of 16 on top of a 512-token context cache), the LM head over its 15 rows,
+   and building the tree from those logits at several budgets.
+
+The profile (JSON) also carries a ``cost_model`` per model in the form ``ddtree.budget.CostModel`` reads
+(``nodes`` = tree nodes N-1, ``verify_s``, ``fixed_s``), so ``budget="auto"`` can use the measured GPU curve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["QWEN3_4B", "QWEN3_8B", "TINY", "CheckConfig", "run_checks", "main"]
+
+# Published Qwen3 shapes (config.json of Qwen/Qwen3-4B and Qwen/Qwen3-8B); weights are random.
+QWEN3_4B = dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                intermediate_size=9728, vocab_size=151936, rope_theta=1_000_000.0)
+QWEN3_8B = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                intermediate_size=12288, vocab_size=151936, rope_theta=1_000_000.0)
+TINY = dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            intermediate_size=128, vocab_size=512, rope_theta=1_000_000.0)
+
+
+@dataclass(frozen=True)
+class CheckConfig:
+    models: tuple[tuple[str, dict], ...] = (("qwen3-4b", QWEN3_4B), ("qwen3-8b", QWEN3_8B))
+    dtype: torch.dtype = torch.bfloat16
+    fp32_lossless_model: str | None = "qwen3-4b"  # also run the losslessness check in fp32 on this model
+    context: int = 512
+    nodes: tuple[int, ...] = tuple(2 ** k for k in range(11))  # 1 .. 1024 appended tokens
+    repeats: int = 7
+    warmups: int = 2
+    oracle_budget: int = 128  # tree nodes in the oracle check (every node is compared)
+    lossless_prompts: int = 3
+    lossless_prompt_len: int = 128
+    lossless_tokens: int = 64
+    lossless_budgets: tuple[int | str, ...] = ("chain", 32, 256)
+    draft_layers: int = 5
+    draft_taps: int = 5
+    block_size: int = 16
+    tree_budgets: tuple[int, ...] = (16, 64, 256, 1024)
+    time_limit_s: float = 450.0  # skip what is left after this (the whole check must fit 8 minutes)
+
+
+TINY_CHECK = CheckConfig(models=(("tiny", TINY),), dtype=torch.float32, fp32_lossless_model=None, context=64,
+                         nodes=(1, 2, 4, 8, 16, 32, 64), repeats=3, warmups=1, oracle_budget=24, lossless_prompts=2,
+                         lossless_prompt_len=16, lossless_tokens=12, lossless_budgets=("chain", 8),
+                         draft_layers=1, draft_taps=2, block_size=8, tree_budgets=(8, 32), time_limit_s=120.0)
+
+
+def log(message: str) -> None:
+    print(f"[gpu_check] {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------- models
+def build_target(shape: dict, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    """A random Qwen3 causal LM with the given shape, created directly on ``device``."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(**shape, max_position_embeddings=40960, tie_word_embeddings=False, use_sliding_window=False,
+                         initializer_range=0.02)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def build_draft(target, config: CheckConfig):
+    from experiments.benchmark import random_draft
+
+    return random_draft(target, layers=config.draft_layers, taps=config.draft_taps, block_size=config.block_size)
+
+
+# ---------------------------------------------------------------------------------------------------- timing
+def median_ms(fn: Callable[[], Any], device: torch.device, repeats: int, warmups: int) -> float:
+    """Median wall time of ``fn`` in ms: CUDA events on CUDA, perf_counter on CPU."""
+    for _ in range(warmups):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1000.0)
+    return statistics.median(times)
+
+
+def _random_logits(rows: int, vocab: int, seed: int, scale: float = 4.0) -> torch.Tensor:
+    """Peaked random draft logits (a few plausible tokens per row), so trees reach several depths."""
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+# ---------------------------------------------------------------------------------------------------- checks
+@torch.inference_mode()
+def oracle_check(target, layer_ids, config: CheckConfig, device: torch.device) -> dict[str, Any]:
+    """Tree logits from one forward vs a causal forward over each node's root path, on the same cache."""
+    from ddtree import build_tree
+    from dflash_core import TargetAdapter
+    from dflash_core.decoding import compile_proposal
+
+    adapter = TargetAdapter(target, layer_ids)
+    vocab, ctx = adapter.vocab_size, config.context
+    gen = torch.Generator().manual_seed(1)
+    cache = adapter.new_cache()
+    adapter.forward(torch.randint(0, vocab, (ctx,), generator=gen), torch.arange(ctx), cache, with_features=False)
+    tree = build_tree(_random_logits(config.block_size - 1, vocab, 2), config.oracle_budget)
+    root = int(torch.randint(0, vocab, (1,), generator=gen))
+    ids, positions, visibility = compile_proposal(tree, root, ctx)
+    tree_logits = adapter.forward(ids, positions, cache, visibility=visibility, with_features=False).logits.cpu()
+    adapter.crop(cache, ctx)
+    parents = tree.parents.tolist()
+    max_diff, diffs, agree = 0.0, [], 0
+    for node in range(-1, len(tree)):  # -1 = the root itself
+        path, cur = [], node
+        while cur >= 0:
+            path.append(cur)
+            cur = parents[cur]
+        seq = torch.tensor([root] + [int(tree.token_ids[i]) for i in reversed(path)])
+        ref = adapter.forward(seq, ctx + torch.arange(len(seq)), cache, with_features=False).logits[-1].cpu()
+        adapter.crop(cache, ctx)
+        got = tree_logits[node + 1]
+        diff = float((got - ref).abs().max())
+        max_diff = max(max_diff, diff)
+        diffs.append(diff)
+        agree += int(got.argmax() == ref.argmax())
+    return {"nodes": len(tree), "max_depth": int(tree.depths.max()) if len(tree) else 0, "context": ctx,
+            "positions_checked": len(diffs), "max_abs_diff": max_diff, "median_abs_diff": statistics.median(diffs),
+            "argmax_agreement": agree / len(diffs), "logit_scale": float(tree_logits.std())}
+
+
+@torch.inference_mode()
+def lossless_check(target, draft, config: CheckConfig) -> dict[str, Any]:
+    """Greedy DDTree / DFlash outputs vs plain decoding on random prompts (exact token match)."""
+    from ddtree import ddtree_generate
+    from dflash_core import autoregressive_generate
+
+    vocab = int(target.lm_head.weight.shape[0])
+    runs, matched = [], 0
+    for p in range(config.lossless_prompts):
+        prompt = torch.randint(0, vocab, (1, config.lossless_prompt_len), generator=torch.Generator().manual_seed(p))
+        ref = autoregressive_generate(target, prompt, max_new_tokens=config.lossless_tokens).new_token_ids
+        for budget in config.lossless_budgets:
+            res = ddtree_generate(target, draft, prompt, budget=budget, max_new_tokens=config.lossless_tokens)
+            same = res.new_token_ids == ref
+            first = next((i for i, (a, b) in enumerate(zip(ref, res.new_token_ids)) if a != b), None)
+            matched += same
+            runs.append({"prompt": p, "budget": budget, "match": same, "first_mismatch": first,
+                         "tau": round(res.tau, 3), "tokens": len(res.new_token_ids)})
+    return {"dtype": str(next(target.parameters()).dtype).removeprefix("torch."), "prompts": config.lossless_prompts,
+            "max_new_tokens": config.lossless_tokens, "exact_match": matched, "runs_total": len(runs), "runs": runs}
+
+
+@torch.inference_mode()
+def verify_curve(target, layer_ids, config: CheckConfig, device: torch.device) -> dict[str, Any]:
+    """Median ms of one target forward appending N tokens (tree mask and causal) to a ``context``-token cache."""
+    from ddtree import build_tree
+    from dflash_core import TargetAdapter
+    from dflash_core.decoding import compile_proposal
+
+    adapter = TargetAdapter(target, layer_ids)
+    vocab, ctx = adapter.vocab_size, config.context
+    gen = torch.Generator().manual_seed(3)
+    cache = adapter.new_cache()
+    adapter.forward(torch.randint(0, vocab, (ctx,), generator=gen), torch.arange(ctx), cache)
+    tree_ms, causal_ms, depths = [], [], []
+    for n in config.nodes:
+        tree = build_tree(_random_logits(config.block_size - 1, vocab, n), n - 1)
+        ids, positions, visibility = compile_proposal(tree, 0, ctx)
+        ids = torch.randint(0, vocab, (len(ids),), generator=gen)
+
+        def tree_forward():
+            adapter.forward(ids, positions, cache, visibility=visibility)
+            adapter.crop(cache, ctx)
+
+        def causal_forward():
+            adapter.forward(ids, ctx + torch.arange(len(ids)), cache)
+            adapter.crop(cache, ctx)
+
+        tree_ms.append(median_ms(tree_forward, device, config.repeats, config.warmups))
+        causal_ms.append(median_ms(causal_forward, device, config.repeats, config.warmups))
+        depths.append(int(tree.depths.max()) if len(tree) else 0)
+    return {"context": ctx, "appended_tokens": list(config.nodes), "tree_depth": depths,
+            "tree_median_ms": tree_ms, "causal_median_ms": causal_ms, "repeats": config.repeats,
+            "with_features": True}
+
+
+@torch.inference_mode()
+def draft_cost(target, draft, config: CheckConfig, device: torch.device) -> dict[str, Any]:
+    """Median ms of the drafter's block pass on a ``context``-token draft cache, the LM head, and tree building."""
+    from ddtree import build_tree
+    from dflash_core import TargetAdapter
+    from dflash_core.model import DraftCache
+
+    adapter = TargetAdapter(target, draft.config.target_layer_ids)
+    vocab, ctx, b = adapter.vocab_size, config.context, draft.block_size
+    gen = torch.Generator().manual_seed(4)
+    features = adapter.forward(torch.randint(0, vocab, (ctx + 4,), generator=gen), torch.arange(ctx + 4),
+                               adapter.new_cache()).features  # [ctx + 4, taps * hidden]
+    block = adapter.embed(torch.randint(0, vocab, (b,), generator=gen).to(device))[None].to(adapter.dtype)
+    cache = DraftCache()
+
+    def first_pass():  # the whole prompt's context enters the draft cache
+        cache.crop(0)
+        draft(block, features[None, :ctx], torch.arange(ctx, ctx + b, device=device), torch.arange(ctx, device=device),
+              cache=cache)
+
+    prefill_ms = median_ms(first_pass, device, config.repeats, config.warmups)
+    first_pass()
+
+    def steady_pass():  # a typical round: a few newly committed tokens join the context
+        draft(block, features[None, ctx:], torch.arange(ctx + 4, ctx + 4 + b, device=device),
+              torch.arange(ctx, ctx + 4, device=device), cache=cache)
+        cache.crop(ctx)
+
+    pass_ms = median_ms(steady_pass, device, config.repeats, config.warmups)
+    hidden = draft(block, features[None, ctx:], torch.arange(ctx + 4, ctx + 4 + b, device=device),
+                   torch.arange(ctx, ctx + 4, device=device), cache=cache)
+    cache.crop(ctx)
+    head_ms = median_ms(lambda: adapter.lm_head(hidden[0, 1:]), device, config.repeats, config.warmups)
+    logits = adapter.lm_head(hidden[0, 1:])  # [b-1, V] on the device, as in the decode loop
+    build_ms = {str(budget): median_ms(lambda budget=budget: build_tree(logits, budget), device, config.repeats,
+                                       config.warmups) for budget in config.tree_budgets}
+    return {"block_size": b, "layers": draft.config.num_hidden_layers,
+            "target_layer_ids": list(draft.config.target_layer_ids),
+            "params": sum(p.numel() for p in draft.parameters()), "context": ctx,
+            "context_prefill_ms": prefill_ms, "pass_ms": pass_ms, "lm_head_ms": head_ms, "build_tree_ms": build_ms}
+
+
+def cost_model(curve: dict[str, Any], drafter: dict[str, Any]) -> dict[str, Any]:
+    """The measured curve in ``ddtree.budget.CostModel``'s JSON form (seconds; nodes = appended tokens - 1)."""
+    build = drafter["build_tree_ms"]
+    build_ms = build.get("64", next(iter(build.values()), 0.0))
+    fixed_ms = drafter["pass_ms"] + drafter["lm_head_ms"] + build_ms
+    return {"nodes": [n - 1 for n in curve["appended_tokens"]],
+            "verify_s": [ms / 1000 for ms in curve["tree_median_ms"]], "fixed_s": fixed_ms / 1000, "key": "gpu_check"}
+
+
+# ---------------------------------------------------------------------------------------------------- the run
+def run_checks(config: CheckConfig, device: torch.device) -> dict[str, Any]:
+    """Every check for every model; steps that would start after ``time_limit_s`` are reported as skipped."""
+    t_start = time.perf_counter()
+    profile: dict[str, Any] = {"models": {}}
+
+    def step(results: dict, name: str, fn: Callable[[], Any]) -> None:
+        if time.perf_counter() - t_start > config.time_limit_s:
+            results[name] = {"skipped": f"time limit of {config.time_limit_s:.0f} s reached"}
+            log(f"  {name}: skipped (time limit)")
+            return
+        t0 = time.perf_counter()
+        try:
+            results[name] = fn()
+        except Exception as err:  # one failed step must not cost the others (a GPU run is a scarce, single shot)
+            results[name] = {"error": f"{type(err).__name__}: {err}"}
+            log(f"  {name}: FAILED: {type(err).__name__}: {err}")
+        results[name]["seconds"] = round(time.perf_counter() - t0, 2)
+        log(f"  {name}: {time.perf_counter() - t0:.1f} s")
+
+    for name, shape in config.models:
+        log(f"{name}: building a random target and drafter ({config.dtype})")
+        results: dict[str, Any] = {"config": shape}
+        target = build_target(shape, config.dtype, device)
+        draft = build_draft(target, config)
+        layer_ids = draft.config.target_layer_ids
+        results["target_params"] = sum(p.numel() for p in target.parameters())
+        step(results, "oracle", lambda: oracle_check(target, layer_ids, config, device))
+        step(results, "lossless", lambda: lossless_check(target, draft, config))
+        step(results, "verify_cost", lambda: verify_curve(target, layer_ids, config, device))
+        step(results, "draft_cost", lambda: draft_cost(target, draft, config, device))
+        if "tree_median_ms" in results["verify_cost"] and "pass_ms" in results["draft_cost"]:
+            results["cost_model"] = cost_model(results["verify_cost"], results["draft_cost"])
+        del target, draft
+        if config.fp32_lossless_model == name:
+            log(f"{name}: losslessness again in fp32 (tells numeric near-ties in bf16 from real bugs)")
+            target = build_target(shape, torch.float32, device)
+            draft = build_draft(target, config)
+            step(results, "lossless_fp32", lambda: lossless_check(target, draft, config))
+            del target, draft
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        profile["models"][name] = results
+    profile["wall_s"] = round(time.perf_counter() - t_start, 1)
+    return profile
+
+
+def environment(device: torch.device, config: CheckConfig) -> dict[str, Any]:
+    from experiments.benchmark import device_name
+    from experiments.schema import git_commit, package_versions
+
+    return {"schema": "ddtree-gpu-profile/1", "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "device": device_name(device), "torch_cuda": torch.version.cuda, "git_commit": git_commit(),
+            "package_versions": package_versions(("torch", "transformers", "numpy")),
+            "dtype": str(config.dtype).removeprefix("torch."), "attention_backend": "sdpa",
+            "settings": {k: v for k, v in dataclasses.asdict(config).items() if k not in ("models", "dtype")}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m experiments.gpu_check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="profile JSON to write, e.g. experiments/profiles/h200.json")
+    parser.add_argument("--tiny", action="store_true", help="a tiny random model instead of the Qwen3 shapes")
+    parser.add_argument("--allow-cpu", action="store_true", help="run on CPU (only together with --tiny)")
+    parser.add_argument("--models", default=None, help="subset of qwen3-4b,qwen3-8b (default: both)")
+    parser.add_argument("--time-limit", type=float, default=None, help="seconds before remaining steps are skipped")
+    args = parser.parse_args(argv)
+
+    if torch.cuda.is_available():
+        device = torch.device("cuda")
+    elif args.allow_cpu and args.tiny:
+        device = torch.device("cpu")
+    else:
+        print("gpu_check: no CUDA device visible. This check measures tree verification on a GPU and would take "
+              "hours on a CPU at Qwen3 sizes. Run it on a CUDA machine, or use `--allow-cpu --tiny` to exercise "
+              "the code path on a tiny model.", file=sys.stderr)
+        return 2
+    config = TINY_CHECK if args.tiny else CheckConfig()
+    if args.tiny and device.type == "cuda":
+        config = dataclasses.replace(config, dtype=torch.bfloat16)
+    if args.models and not args.tiny:
+        known = dict(config.models)
+        wanted = [m.strip() for m in args.models.split(",") if m.strip()]
+        unknown = [m for m in wanted if m not in known]
+        if unknown:
+            print(f"gpu_check: unknown model(s) {unknown}; known: {', '.join(known)}", file=sys.stderr)
+            return 2
+        config = dataclasses.replace(config, models=tuple((m, known[m]) for m in wanted))
+    if args.time_limit is not None:
+        config = dataclasses.replace(config, time_limit_s=args.time_limit)
+
+    from experiments.schema import write_json_atomic
+
+    profile = {**environment(device, config), **run_checks(config, device)}
+    write_json_atomic(Path(args.out), profile)
+    for name, res in profile["models"].items():
+        oracle, lossless = res.get("oracle", {}), res.get("lossless", {})
+        log(f"{name}: oracle max|diff| {oracle.get('max_abs_diff')}, "
+            f"argmax agreement {oracle.get('argmax_agreement')}; lossless {lossless.get('exact_match')}/{lossless.get('runs_total')} exact")
+    log(f"profile written to {args.out} ({profile['wall_s']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""The benchmark runner end to end on the tiny preset (random tiny models, no files), presets, and the GPU check's
+tiny CPU path."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from experiments import benchmark
+from experiments.benchmark import RankInfo, Variant, existing_records, merge_rank_files, run_pair
+from experiments.datasets import build_chat, select_items
+from experiments.presets import PRESETS, TINY, ModelPair, Preset, get_preset, with_overrides
+from experiments.schema import Manifest, read_records
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads, and on a busy 2-core machine threads make them crawl."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def expected_keys(preset: Preset) -> set[tuple]:
+    variants = benchmark.make_variants(preset)
+    keys = set()
+    for t in preset.temperatures:
+        for dataset in preset.datasets:
+            for item in select_items(dataset, preset.samples_for(dataset), preset.seed):
+                for turn in range(len(item.turns)):
+                    keys |= {v.key(dataset, item.sample_id, turn, t) for v in variants}
+    return keys
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / "tiny"
+    assert benchmark.main(["--preset", "tiny", "--out", str(out)]) == 0
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- presets
+def test_presets_are_valid_and_match_the_issue():
+    for preset in PRESETS.values():
+        assert preset.problems() == []
+    default, quick, paper = get_preset("default"), get_preset("quick"), get_preset("paper")
+    assert set(default.datasets) == {"gsm8k", "math500", "aime24", "aime25", "humaneval", "mt-bench"}
+    assert default.methods == ("ar", "dflash", "ddtree") and default.temperatures == (0.0,)
+    assert [b for b in default.budgets if isinstance(b, int)] == [8, 16, 32, 64] and "auto" in default.optional_budgets
+    assert default.models[0].target == "default" and default.models[0].draft == "default"
+    assert len(quick.datasets) * quick.max_samples <= 2 and quick.max_new_tokens <= 64 and quick.budgets == (16,)
+    assert len(paper.models) == 3 and len(paper.datasets) == 10 and paper.temperatures == (0.0, 1.0)
+    assert min(b for b in paper.budgets if isinstance(b, int)) == 16 and 1024 in paper.budgets
+    assert paper.device == "cuda" and any(pair.device_map == "auto" for pair in paper.models)
+    assert TINY.models[0] == ModelPair("tiny", "random", name="tiny")
+
+
+def test_overrides_validate_and_normalize():
+    p = with_overrides(TINY, datasets=("MT_Bench",), budgets=(2, "auto"), max_samples=1, draft="random")
+    assert p.datasets == ("mt-bench",) and p.budgets == (2, "auto") and p.optional_budgets == ()
+    for bad in (dict(datasets=("nope",)), dict(methods=("medusa",)), dict(budgets=(-1,)), dict(dtype="int8"),
+                dict(temperatures=(-0.5,))):
+        with pytest.raises(ValueError):
+            with_overrides(TINY, **bad)
+    with pytest.raises(ValueError, match="known presets"):
+        get_preset("huge")
+
+
+def test_cli_reports_bad_arguments(tmp_path, capsys):
+    assert benchmark.main(["--preset", "tiny", "--datasets", "nope", "--out", str(tmp_path)]) == 2
+    assert "known datasets" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------- end to end
+def test_tiny_run_writes_complete_valid_records(tiny_run):
+    records = read_records(tiny_run / "records.jsonl")
+    keys = [r.record_key() for r in records]
+    assert len(keys) == len(set(keys)) and set(keys) == expected_keys(TINY)
+    for r in records:
+        out = r.extra["output_ids"]
+        assert r.num_new_tokens == len(out) > 0 and r.decode_s > 0 and r.prefill_s > 0
+        assert sum(r.acceptance_lengths) + 1 == r.num_new_tokens  # the prefill's token is not a round
+        if r.method == "ar":
+            assert r.matches_ar is None and r.policy == "ar" and set(r.acceptance_lengths) == {1}
+        else:
+            assert r.matches_ar is True and r.extra["first_mismatch"] is None, r  # fp32, T = 0: lossless
+            assert len(r.extra["tree_sizes"]) == len(r.acceptance_lengths) == len(r.extra["expected_acceptance"])
+            assert {"draft", "verify"} <= set(r.stage_times)
+        if r.method == "ddtree":
+            assert r.policy == "fixed" and max(r.extra["tree_sizes"]) <= r.budget
+    manifest = Manifest.read(tiny_run / "manifest.json")
+    assert manifest.preset == "tiny" and manifest.dtype == "float32" and manifest.attention_backend == "sdpa"
+    assert manifest.extra["pair"]["target"] == "tiny" and manifest.extra["preset"]["max_new_tokens"] == 12
+    assert not list(tiny_run.glob("records.rank*.jsonl"))
+
+
+def test_methods_run_interleaved_and_second_turn_continues_ar(tiny_run):
+    records = read_records(tiny_run / "records.jsonl")
+    by_turn: dict[tuple, list] = {}
+    for r in records:
+        by_turn.setdefault((r.dataset, r.sample_id, r.turn), []).append(r)
+    orders = set()
+    for group in by_turn.values():
+        assert len({r.num_input_tokens for r in group}) == 1  # every method saw the same prompt
+        assert [r.method for r in group][0] == "ar"  # AR first: the reference
+        orders.add(tuple(r.budget for r in group[1:]))
+    assert len(orders) > 1  # the order of the other methods rotates
+    tokenizer = benchmark.ByteTokenizer()
+    item = next(i for i in select_items("mt-bench", 2, 0))
+    ar0 = next(r for r in records
+               if (r.dataset, r.sample_id, r.turn, r.method) == ("mt-bench", item.sample_id, 0, "ar"))
+    answer = tokenizer.decode([t for t in ar0.extra["output_ids"] if t != tokenizer.eos_token_id], True)
+    second = next(r for r in records if (r.dataset, r.sample_id, r.turn) == ("mt-bench", item.sample_id, 1))
+    assert second.num_input_tokens == len(build_chat(tokenizer, item.turns, [answer]))
+
+
+def test_rerun_skips_finished_work(tiny_run, monkeypatch, capsys):
+    before = (tiny_run / "records.jsonl").read_bytes()
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("a finished run must not generate again")
+
+    monkeypatch.setattr(Variant, "generate", no_generation)
+    assert benchmark.main(["--preset", "tiny", "--out", str(tiny_run)]) == 0
+    assert (tiny_run / "records.jsonl").read_bytes() == before
+    assert "DDTree (B=16)" in capsys.readouterr().out  # the summary table is printed again
+    sessions = Manifest.read(tiny_run / "manifest.json").extra["sessions"]
+    assert len(sessions) == 2 and all("finished_at" in s for s in sessions)
+
+
+def test_killed_run_restarts_cleanly_and_completes(tiny_run, tmp_path):
+    out = tmp_path / "killed"
+    assert benchmark.main(["--preset", "tiny", "--out", str(out), "--max-generations", "7"]) == 3  # incomplete
+    path = out / "records.jsonl"
+    assert len(read_records(path)) == 7
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 40])  # killed while writing the 7th record: a torn last line
+    with pytest.warns(UserWarning, match="truncated"):
+        assert len(read_records(path)) == 6
+    with pytest.warns(UserWarning, match="truncated"):
+        assert benchmark.main(["--preset", "tiny", "--out", str(out)]) == 0
+    records = read_records(path)
+    keys = [r.record_key() for r in records]
+    assert len(keys) == len(set(keys)) and set(keys) == expected_keys(TINY)
+    reference = {r.record_key(): r for r in read_records(tiny_run / "records.jsonl")}
+    for r in records:  # greedy: resuming changes nothing about what was generated or compared
+        assert r.extra["output_ids"] == reference[r.record_key()].extra["output_ids"]
+        assert r.matches_ar == reference[r.record_key()].matches_ar
+
+
+def test_rerun_with_other_settings_is_refused(tiny_run, tmp_path, capsys):
+    out = tmp_path / "copy"
+    shutil.copytree(tiny_run, out)
+    assert benchmark.main(["--preset", "tiny", "--out", str(out), "--max-new-tokens", "5"]) == 1
+    assert "other settings" in capsys.readouterr().err
+
+
+def test_sampling_run_has_no_exact_match(tmp_path):
+    out = tmp_path / "t1"
+    args = ["--preset", "tiny", "--out", str(out), "--temperatures", "1", "--datasets", "gsm8k", "--max-samples", "1",
+            "--methods", "ar,ddtree", "--budgets", "4"]
+    assert benchmark.main(args) == 0
+    records = read_records(out / "records.jsonl")
+    assert {(r.method, r.temperature) for r in records} == {("ar", 1.0), ("ddtree", 1.0)}
+    assert all(r.matches_ar is None for r in records)
+
+
+def test_auto_budget_is_a_method_variant(tmp_path, monkeypatch):
+    pytest.importorskip("ddtree.budget")
+    monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "auto"
+    args = ["--preset", "tiny", "--out", str(out), "--datasets", "gsm8k", "--max-samples", "1",
+            "--methods", "ar,ddtree", "--budgets", "4,auto"]
+    assert benchmark.main(args) == 0
+    auto = [r for r in read_records(out / "records.jsonl") if r.budget == "auto"]
+    assert len(auto) == 1 and auto[0].policy == "auto" and auto[0].matches_ar is True
+    assert len(auto[0].extra["tree_sizes"]) == len(auto[0].acceptance_lengths)
+
+
+def test_ranks_split_the_samples_and_rank0_merges(tmp_path):
+    preset = with_overrides(TINY, datasets=("gsm8k",), max_samples=3, methods=("ar", "dflash"))
+    out = tmp_path / "ranks"
+    for rank in (RankInfo(1, 2, 1), RankInfo(0, 2, 0)):  # the ranks run independently; a barrier, then a merge
+        assert run_pair(preset, preset.models[0], out, device=torch.device("cpu"), rank=rank)
+    shares = [{r.sample_id for r in read_records(out / f"records.rank{k}.jsonl")} for k in (0, 1)]
+    assert shares[0] and shares[1] and not shares[0] & shares[1]
+    assert len(existing_records(out)) == 6
+    merge_rank_files(out)
+    assert not list(out.glob("records.rank*.jsonl"))
+    assert {r.record_key() for r in read_records(out / "records.jsonl")} == expected_keys(preset)
+
+
+# ---------------------------------------------------------------------------------------------------- gpu check
+def test_gpu_check_tiny_cpu_path_writes_a_profile(tmp_path):
+    from experiments import gpu_check
+
+    path = tmp_path / "profile.json"
+    assert gpu_check.main(["--allow-cpu", "--tiny", "--out", str(path)]) == 0
+    profile = json.loads(path.read_text())
+    tiny = profile["models"]["tiny"]
+    assert tiny["oracle"]["max_abs_diff"] < 1e-4 and tiny["oracle"]["argmax_agreement"] == 1.0
+    assert tiny["lossless"]["exact_match"] == tiny["lossless"]["runs_total"] > 0
+    curve = tiny["verify_cost"]
+    assert curve["appended_tokens"] == [1, 2, 4, 8, 16, 32, 64]
+    assert len(curve["tree_median_ms"]) == len(curve["causal_median_ms"]) == 7
+    assert all(ms > 0 for ms in curve["tree_median_ms"]) and tiny["draft_cost"]["pass_ms"] > 0
+    cost = tiny["cost_model"]
+    assert cost["nodes"][0] == 0 and cost["nodes"] == sorted(cost["nodes"]) and cost["fixed_s"] > 0
+    assert profile["schema"] == "ddtree-gpu-profile/1" and profile["device"].startswith("cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_gpu_check_refuses_cpu_without_flags(tmp_path, capsys):
+    from experiments import gpu_check
+
+    assert gpu_check.main(["--out", str(tmp_path / "p.json")]) == 2
+    assert "--allow-cpu --tiny" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_torchrun_ranks_write_their_own_files_and_rank0_merges(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "torchrun"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "experiments.benchmark", "--preset", "tiny", "--out", str(out), "--datasets", "gsm8k,mt-bench",
+           "--max-samples", "2", "--methods", "ar,ddtree", "--budgets", "4"]
+    done = subprocess.run(cmd, cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not list(out.glob("records.rank*.jsonl"))
+    preset = with_overrides(TINY, datasets=("gsm8k", "mt-bench"), max_samples=2, methods=("ar", "ddtree"), budgets=(4,))
+    records = read_records(out / "records.jsonl")
+    assert {r.record_key() for r in records} == expected_keys(preset) and len(records) == len(expected_keys(preset))
+    assert all(r.matches_ar for r in records if r.method == "ddtree")
+    assert Manifest.read(out / "manifest.json").extra["world_size"] == 2
+    assert "DDTree (B=4)" in done.stdout
