@@ -17,16 +17,19 @@ the maximum of every chunk of 64 tokens; each chunk maximum is a distinct token,
 prefix at depth d therefore has a log-prob >= tau - (chain score above d), and only chunks whose maximum reaches that
 cutoff are opened. One packed copy goes to the host.
 
-``select_prefixes`` (host, numpy): enumerates, depth by depth, every prefix whose score reaches a bound tau (all
-children of the kept prefixes of the previous depth, as one outer sum and one mask per depth), then keeps the B best in
-the canonical order. It returns None if the candidate rows turn out too short for exactness (never seen in practice);
-``build_tree`` then refetches complete top-K rows.
+``select_prefixes`` (host, numpy; the "pop loop"): enumerates, depth by depth, every prefix whose score reaches a
+bound tau (all children of the kept prefixes of the previous depth, as one outer sum and one mask per depth), then
+keeps the B best in the canonical order; for small budgets it runs the heap on the candidate rows instead, which is
+faster there. It returns None if the candidate rows turn out too short for exactness (never seen in
+practice); ``build_tree`` then refetches complete top-K rows.
 
 Scores and ties. A prefix's score is the float64 running sum of float32 log-probs along its path, added in the same
-order by both builders, so both compute bit-identical scores. Nodes are ordered by (score descending, depth ascending,
-rank path lexicographic); ranks within a row order tokens by (log-prob descending, token id ascending). The order is
-total and puts every node after its parent and its better siblings, so truncating it at B always gives a valid tree,
-and both builders agree even on exact ties (except where ``torch.topk`` breaks a tie at rank K differently).
+order by both builders, so both compute bit-identical scores. Ranks within a row order tokens by (log-prob
+descending, token id ascending). Nodes are ordered by (score descending, depth ascending, rank path read from the
+node up: its own rank first, then its parent's, and so on). The order is total and puts every node after its parent
+(smaller depth) and after its better siblings (smaller own rank), so truncating it at B always gives a valid tree,
+and both builders agree even on exact ties. (Reading the path from the node up is what the vectorized enumeration
+produces for free: it lays out each depth rank by rank, every rank over all parents.)
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ from ddtree.tree import ROOT, DraftTree
 
 CHUNK = 64  # tokens per chunk whose maximum is taken on the device
 MIN_CHUNKED_VOCAB = 16 * CHUNK  # below this the candidate search is not worth it: take complete top-K rows
-COMPRESS_ABOVE = 1024  # outer sums larger than this expand only the parents that keep a child
+HEAP_BELOW_FIXED, HEAP_BELOW_PER_ROW = 30, 5  # select_prefixes runs the heap for budgets below 30 + 5 x rows
+COMPRESS_ABOVE = 4096  # outer sums larger than this expand only the parents that keep a child
 ENUMERATION_CAP_PER_NODE = 64  # select_prefixes falls back to the heap if it would enumerate more than ~64 B prefixes
 
 
@@ -63,6 +67,7 @@ class Candidates:
     log_probs: np.ndarray  # [m] float64 (exact float32 values)
     cutoff: np.ndarray  # [depth] float64
     max_rank: int  # K = min(budget, vocab)
+    reachable_rows: int  # rows before the first empty one (no prefix can pass an empty row)
 
 
 @dataclass(frozen=True)
@@ -112,6 +117,26 @@ def _log_softmax(draft_logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(draft_logits, dim=-1, dtype=torch.float32)
 
 
+def _top_k_rows(log_probs: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """[depth, k] float64 log-probs and int64 tokens of each row's top k, sorted by (log-prob desc, token id asc).
+
+    ``torch.topk`` may pick any of the tokens tied at the k-th value. That choice only matters in row 0: a node at
+    depth d with rank r needs d - 1 ancestors and r better siblings, so rank k - 1 = B - 1 is reachable at depth 1
+    only. Row 0's boundary ties are therefore resolved toward the smallest token ids, making the result canonical.
+    """
+    values, tokens = torch.topk(log_probs, k, dim=-1)  # [depth, k] each
+    values, tokens = values.double().cpu().numpy(), tokens.cpu().numpy()
+    _check_row_maxima(values[:, 0])
+    order = np.lexsort((tokens, -values), axis=-1)
+    values, tokens = np.take_along_axis(values, order, axis=-1), np.take_along_axis(tokens, order, axis=-1)
+    if k < log_probs.shape[1]:
+        boundary = values[0, -1]
+        tied = torch.nonzero(log_probs[0] == float(boundary)).flatten().cpu().numpy()  # ascending token ids
+        above = int(np.count_nonzero(values[0] > boundary))
+        tokens[0, above:] = tied[: k - above]
+    return values, tokens
+
+
 # ---------------------------------------------------------------------------------------------- reference
 
 
@@ -120,18 +145,18 @@ def _best_first_heap(values: list[list[float]], tokens: list[list[int]], budget:
 
     Each pop adds the best open prefix to the tree and opens its next sibling (same parent, rank + 1) and its first
     child (rank 0 one row down); both are no more probable than it, so pops come out best first. The heap key
-    (-score, depth, rank path) is the builders' canonical total order.
+    (-score, depth, rank path from the node up) is the builders' canonical total order.
     """
     out_tokens: list[int] = []
     out_parents: list[int] = []
     out_depths: list[int] = []
     out_scores: list[float] = []
-    heap: list[tuple[float, int, tuple[int, ...], int]] = []
+    heap: list[tuple[float, int, tuple[int, ...], int]] = []  # (-score, depth, ranks from the node up, parent)
     if budget > 0 and values and values[0]:
         heap.append((-values[0][0], 1, (0,), ROOT))
     while heap and len(out_scores) < budget:
         neg_score, depth, ranks, parent = heapq.heappop(heap)
-        node, rank, score = len(out_scores), ranks[-1], -neg_score
+        node, rank, score = len(out_scores), ranks[0], -neg_score
         out_tokens.append(tokens[depth - 1][rank])
         out_parents.append(parent)
         out_depths.append(depth)
@@ -139,9 +164,9 @@ def _best_first_heap(values: list[list[float]], tokens: list[list[int]], budget:
         row = values[depth - 1]
         if rank + 1 < len(row):
             parent_score = out_scores[parent] if parent != ROOT else 0.0
-            heapq.heappush(heap, (-(parent_score + row[rank + 1]), depth, ranks[:-1] + (rank + 1,), parent))
+            heapq.heappush(heap, (-(parent_score + row[rank + 1]), depth, (rank + 1,) + ranks[1:], parent))
         if depth < len(values) and values[depth]:
-            heapq.heappush(heap, (-(score + values[depth][0]), depth + 1, ranks + (0,), node))
+            heapq.heappush(heap, (-(score + values[depth][0]), depth + 1, (0,) + ranks, node))
     return SelectedNodes(np.array(out_tokens, dtype=np.int64), np.array(out_parents, dtype=np.int64),
                          np.array(out_depths, dtype=np.int64), np.array(out_scores, dtype=np.float64))
 
@@ -154,13 +179,8 @@ def reference_build_tree(draft_logits: torch.Tensor, budget: int) -> DraftTree:
     depth, vocab, budget = _check_inputs(draft_logits, budget)
     if budget == 0 or depth == 0:
         return DraftTree.empty()
-    log_probs = _log_softmax(draft_logits)  # [depth, vocab]
-    top_values, top_tokens = torch.topk(log_probs, min(budget, vocab), dim=-1)  # [depth, K] each
-    top_values, top_tokens = top_values.double().cpu().numpy(), top_tokens.cpu().numpy()
-    _check_row_maxima(top_values[:, 0])
-    order = np.lexsort((top_tokens, -top_values), axis=-1)  # canonical ranks: log-prob desc, then token id asc
-    top_values = np.take_along_axis(top_values, order, axis=-1)
-    top_tokens = np.take_along_axis(top_tokens, order, axis=-1)
+    log_probs = _log_softmax(draft_logits.detach())  # [depth, vocab]
+    top_values, top_tokens = _top_k_rows(log_probs, min(budget, vocab))  # [depth, K] each, best first
     return _best_first_heap(top_values.tolist(), top_tokens.tolist(), budget).to_tree()
 
 
@@ -168,10 +188,11 @@ def reference_build_tree(draft_logits: torch.Tensor, budget: int) -> DraftTree:
 
 
 def top_candidates(draft_logits: torch.Tensor, budget: int, complete: bool = False) -> Candidates:
-    """Stage 1 of ``build_tree``: the tokens per row that the tree can use, copied once to the host.
+    """Stage 1 of ``build_tree``: the tokens per row that the tree can use, brought to the host in one copy.
 
     With ``complete`` (or a small vocabulary) every row holds its complete top K = min(budget, vocab) tokens;
     otherwise only the tokens that can reach the best-B prefixes (see the module docstring), usually a few per row.
+    On CUDA the opened chunks are gathered on the device and copied once; on the CPU numpy reads them in place.
     Requires budget >= 1 and depth >= 1.
     """
     depth, vocab = draft_logits.shape
@@ -179,12 +200,10 @@ def top_candidates(draft_logits: torch.Tensor, budget: int, complete: bool = Fal
     log_probs = _log_softmax(draft_logits)  # [depth, vocab]
     num_chunks = vocab // CHUNK
     if complete or vocab < MIN_CHUNKED_VOCAB or depth * num_chunks < budget:
-        values, tokens = torch.topk(log_probs, max_rank, dim=-1)  # [depth, K] each
-        rows = torch.arange(depth, device=values.device).repeat_interleave(max_rank)
-        packed = torch.cat([values[:, 0].double(), torch.full((depth,), -math.inf, dtype=torch.float64,
-                                                              device=values.device),
-                            rows.double(), tokens.flatten().double(), values.flatten().double()])
-        return _candidates_on_host(packed.cpu().numpy(), depth, max_rank)
+        values, tokens = _top_k_rows(log_probs, max_rank)  # [depth, K] each, canonical
+        rows = np.repeat(np.arange(depth), max_rank)
+        return _sorted_candidates(rows, tokens.ravel(), values.ravel(), values[:, 0], np.full(depth, -math.inf),
+                                  max_rank)
 
     body = log_probs[:, :num_chunks * CHUNK].reshape(depth, num_chunks, CHUNK)  # [depth, G, CHUNK]
     tail = log_probs[:, num_chunks * CHUNK:]  # [depth, T], T < CHUNK
@@ -199,29 +218,60 @@ def top_candidates(draft_logits: torch.Tensor, budget: int, complete: bool = Fal
         return top_candidates(draft_logits, budget, complete=True)
     # float32 rounding of chain_above is absorbed by the margin; exactness is re-checked on the host anyway
     cutoff = bound - 1e-3 * (1.0 + abs(bound_value)) - chain_above  # [depth] log-prob a token must reach in row d
-    opened = torch.nonzero(chunk_max >= cutoff[:, None])  # [s, 2] (row, chunk) of the chunks worth opening
-    blocks = body[opened[:, 0], opened[:, 1]]  # [s, CHUNK]
-    hits = torch.nonzero(blocks >= cutoff[opened[:, 0], None])  # [h, 2] (block, offset)
-    rows = opened[hits[:, 0], 0]  # [h]
-    tokens = opened[hits[:, 0], 1] * CHUNK + hits[:, 1]  # [h]
-    values = blocks[hits[:, 0], hits[:, 1]]  # [h]
+    gather = _open_chunks_in_place if log_probs.device.type == "cpu" else _open_chunks_and_copy
+    row_max_host, cutoff_host, opened, blocks, tail_host = gather(body, tail, chunk_max, row_max, cutoff)
+    return _candidates_from_chunks(row_max_host, cutoff_host, opened, blocks, tail_host, num_chunks, max_rank)
+
+
+def _open_chunks_in_place(body: torch.Tensor, tail: torch.Tensor, chunk_max: torch.Tensor, row_max: torch.Tensor,
+                          cutoff: torch.Tensor) -> tuple[np.ndarray, ...]:
+    """CPU: numpy reads the chunks whose maximum reaches the cutoff straight from the log-prob tensor."""
+    opened = np.flatnonzero(chunk_max.numpy() >= cutoff.numpy()[:, None])  # [s] flat (row, chunk) ids
+    blocks = body.contiguous().numpy().reshape(-1, CHUNK)[opened]  # [s, CHUNK]
+    return row_max.numpy(), cutoff.numpy(), opened, blocks, tail.numpy()
+
+
+def _open_chunks_and_copy(body: torch.Tensor, tail: torch.Tensor, chunk_max: torch.Tensor, row_max: torch.Tensor,
+                          cutoff: torch.Tensor) -> tuple[np.ndarray, ...]:
+    """Accelerators: gather the opened chunks on the device, then ONE copy of [row_max | cutoff | chunk ids | tail |
+    chunks] to the host (float32 holds chunk ids exactly); a few times B values, never the full logits."""
+    depth = row_max.shape[0]
+    opened = torch.nonzero((chunk_max >= cutoff[:, None]).flatten()).squeeze(1)  # [s]
+    blocks = body.reshape(-1, CHUNK).index_select(0, opened)  # [s, CHUNK]
+    host = torch.cat([row_max, cutoff, opened.float(), tail.flatten(), blocks.flatten()]).cpu().numpy()
+    row_max_host, cutoff_host, opened_host, tail_host, blocks_host = np.split(
+        host, np.cumsum([depth, depth, opened.shape[0], tail.numel()]))
+    return (row_max_host, cutoff_host, opened_host.astype(np.int64), blocks_host.reshape(-1, CHUNK),
+            tail_host.reshape(depth, -1))
+
+
+def _candidates_from_chunks(row_max: np.ndarray, cutoff: np.ndarray, opened: np.ndarray, blocks: np.ndarray,
+                            tail: np.ndarray, num_chunks: int, max_rank: int) -> Candidates:
+    """Keep the tokens of the opened chunks (and of the tail) that reach their row's cutoff."""
+    opened_rows = opened // num_chunks  # [s]
+    hit = np.flatnonzero(blocks >= cutoff[opened_rows, None])  # [h] flat (block, offset)
+    block, offset = np.divmod(hit, CHUNK)
+    rows = opened_rows[block]
+    tokens = (opened[block] - opened_rows[block] * num_chunks) * CHUNK + offset
+    values = blocks.ravel()[hit]
     if tail.shape[1]:
-        tail_hits = torch.nonzero(tail >= cutoff[:, None])  # [t, 2] (row, offset)
-        rows = torch.cat([rows, tail_hits[:, 0]])
-        tokens = torch.cat([tokens, num_chunks * CHUNK + tail_hits[:, 1]])
-        values = torch.cat([values, tail[tail_hits[:, 0], tail_hits[:, 1]]])
-    packed = torch.cat([row_max.double(), cutoff.double(), rows.double(), tokens.double(), values.double()])
-    return _candidates_on_host(packed.cpu().numpy(), depth, max_rank)
+        tail_hit = np.flatnonzero(tail >= cutoff[:, None])  # [t] flat (row, offset)
+        tail_rows, tail_offset = np.divmod(tail_hit, tail.shape[1])
+        rows = np.concatenate([rows, tail_rows])
+        tokens = np.concatenate([tokens, num_chunks * CHUNK + tail_offset])
+        values = np.concatenate([values, tail.ravel()[tail_hit]])
+    # entries of a row arrive in token order (chunks, then the tail), so a stable sort keeps ties token-sorted
+    return _sorted_candidates(rows, tokens, values, row_max, cutoff.astype(np.float64), max_rank,
+                              token_sorted=True)
 
 
-def _candidates_on_host(packed: np.ndarray, depth: int, max_rank: int) -> Candidates:
-    """Unpack [row_max | cutoff | rows | tokens | values], sort rows canonically and keep ranks < max_rank."""
-    row_max, cutoff = packed[:depth], packed[depth:2 * depth].copy()
+def _sorted_candidates(rows: np.ndarray, tokens: np.ndarray, values: np.ndarray, row_max: np.ndarray,
+                       cutoff: np.ndarray, max_rank: int, token_sorted: bool = False) -> Candidates:
+    """Sort candidates by (row, log-prob desc, token id asc) and keep ranks < max_rank."""
     _check_row_maxima(row_max)
-    rows, tokens, values = packed[2 * depth:].reshape(3, -1)
-    rows, tokens = rows.astype(np.int64), tokens.astype(np.int64)
-    order = np.lexsort((tokens, -values, rows))  # by row, then log-prob descending, then token id
-    rows, tokens, values = rows[order], tokens[order], values[order]
+    depth = cutoff.size
+    order = np.lexsort((-values, rows) if token_sorted else (tokens, -values, rows))
+    rows, tokens, values = rows[order], tokens[order], values[order].astype(np.float64)
     counts = np.bincount(rows, minlength=depth)  # [depth]
     row_start = np.zeros(depth + 1, dtype=np.int64)
     np.cumsum(counts, out=row_start[1:])
@@ -229,8 +279,11 @@ def _candidates_on_host(packed: np.ndarray, depth: int, max_rank: int) -> Candid
         keep = np.arange(rows.size) - row_start[rows] < max_rank
         rows, tokens, values = rows[keep], tokens[keep], values[keep]
         np.cumsum(np.minimum(counts, max_rank), out=row_start[1:])
+    cutoff = cutoff.copy()
     cutoff[counts >= max_rank] = -math.inf  # these rows hold their complete top K
-    return Candidates(row_start, rows, tokens, values, cutoff, max_rank)
+    empty = np.flatnonzero(counts == 0)
+    reachable_rows = int(empty[0]) if empty.size else depth
+    return Candidates(row_start, rows, tokens, values, cutoff, max_rank, reachable_rows)
 
 
 # ---------------------------------------------------------------------------------------------- stage 2: selection
@@ -239,120 +292,112 @@ def _candidates_on_host(packed: np.ndarray, depth: int, max_rank: int) -> Candid
 def select_prefixes(candidates: Candidates, budget: int) -> SelectedNodes | None:
     """Stage 2 of ``build_tree`` (its "pop loop"): the best ``budget`` prefixes over the candidate rows, best first.
 
-    Returns None when the candidate rows are too short to prove the result exact (the caller then asks for complete
-    rows). Scores are float64 running sums along the path, added in the same order as the reference heap.
+    The heap on the candidate rows costs about one microsecond per node, the depth-by-depth enumeration
+    (``_select_by_levels``) a fixed overhead plus a few microseconds per depth, so small budgets over many rows run
+    the heap and the rest the enumeration. Both are exact and give the same canonical order. Returns
+    None when the candidate rows are too short to prove the result exact (the caller then asks for complete rows).
+    """
+    if budget < HEAP_BELOW_FIXED + HEAP_BELOW_PER_ROW * candidates.reachable_rows:
+        return _select_by_heap(candidates, budget)
+    return _select_by_levels(candidates, budget)
+
+
+def _select_by_levels(candidates: Candidates, budget: int) -> SelectedNodes | None:
+    """Vectorized selection: enumerate every prefix scoring at least a lower bound on the B-th best score.
+
+    One depth at a time: the children of all kept prefixes of the previous depth are one outer sum of the row's
+    log-probs with their scores, and one comparison keeps those that reach the bound (rows are sorted, so each parent
+    keeps a run of ranks). The B best enumerated prefixes, in canonical order, are the answer. Scores are float64
+    running sums along the path, added in the same order as the reference heap.
     """
     row_start, values, tokens = candidates.row_start, candidates.log_probs, candidates.token_ids
-    counts = np.diff(row_start)  # [depth]
-    empty = np.flatnonzero(counts == 0)
-    usable = int(empty[0]) if empty.size else counts.size  # rows below an empty row are unreachable
+    usable = candidates.reachable_rows
     if usable == 0:
         return None if candidates.cutoff[0] > -math.inf else _selected_empty()
-    chain = np.cumsum(values[row_start[:usable]])  # [usable] score of the all-rank-0 prefix at each depth
-    chain_above = np.zeros(usable + 1)  # [usable + 1] score of the all-rank-0 parent of row d (0 for row 0)
-    chain_above[1:] = chain
+    chain_above = np.concatenate(([0.0], np.cumsum(values[row_start[:usable]])))  # [usable + 1] all-rank-0 scores
     in_usable = row_start[usable]
     rows = candidates.rows[:in_usable]
     family = chain_above[rows] + values[:in_usable]  # [m] score of "chain above the row, then this token"
-    # bound: the B-th best of these distinct prefixes is <= the B-th best prefix overall
+    # these m prefixes are distinct, so the B-th best of them is <= the B-th best prefix overall
     bound = np.partition(family, family.size - budget)[family.size - budget] if family.size >= budget else -math.inf
-    kept_per_row = np.bincount(rows[family >= bound], minlength=usable)  # [usable] children of the chain parent
+    kept_per_row = np.bincount(rows[family >= bound], minlength=usable).tolist()  # children of the chain parent
 
-    # enumerate every prefix with score >= bound, depth by depth; prefixes of a depth stay in rank-path order
-    scores = [values[: kept_per_row[0]]]  # per depth: [n_d] scores
-    masks = [np.ones(kept_per_row[0], dtype=bool)]  # per depth: flattened [parents x k_d] mask of kept children
-    widths = [int(kept_per_row[0])]  # per depth: k_d, children columns per parent
-    parent_maps = []  # (depth index, rows of the previous depth that were expanded) where not all of them were
-    total, tightened = int(kept_per_row[0]), False
+    # depth by depth; a depth's prefixes are laid out rank by rank, each rank over all kept parents in their order
+    starts = row_start.tolist()
+    parents = values[: kept_per_row[0]]  # [n_d] scores of the kept prefixes of the current depth
+    scores = [parents]  # per depth
+    masks = [np.ones(parents.size, dtype=bool)]  # per depth: flattened [k_d, parents] mask of kept children
+    # per depth: first mask position, parents (columns), index of the previous depth's first prefix, row start
+    layout = [(0, 1, ROOT, 0)]
+    parent_maps = []  # (depth index, the parents that were expanded) where only some of them were
+    total = mask_total = parents.size
+    previous_first = 0
     cap = ENUMERATION_CAP_PER_NODE * budget + 4096
     for row in range(1, usable):
-        width = int(kept_per_row[row])
+        width = kept_per_row[row]
         if width == 0:
             break
-        parents = scores[-1]  # [n_{d-1}]
-        row_values = values[row_start[row]: row_start[row] + width]  # [k_d]
+        row_values = values[starts[row]: starts[row] + width]  # [k_d]
         if parents.size * width > COMPRESS_ABOVE:  # expand only the parents that keep at least one child
             expanded = np.flatnonzero(parents + row_values[0] >= bound)
             parent_maps.append((len(scores), expanded))
             parents = parents[expanded]
-        children = np.add.outer(parents, row_values)  # [parents, k_d]
+        layout.append((mask_total, parents.size, previous_first, starts[row]))
+        previous_first = total
+        children = np.add.outer(row_values, parents)  # [k_d, parents]: a long inner axis is what numpy is fast at
         keep = children >= bound
-        scores.append(children[keep])
+        parents = children[keep]
+        scores.append(parents)
         masks.append(keep.ravel())
-        widths.append(width)
-        total += scores[-1].size
+        total += parents.size
+        mask_total += keep.size
         if total > cap:  # a pathological draft; the heap is O(B log B) whatever the shape
             return _select_by_heap(candidates, budget)
-        if not tightened and total >= budget and row + 1 < usable:
-            # the prefixes found so far are distinct: the B-th best of them is a tighter bound for what follows
-            tightened = True
-            found = np.concatenate(scores)
-            better = np.partition(found, total - budget)[total - budget]
-            if better > bound:
-                bound = better
-                kept_per_row = np.bincount(rows[family >= bound], minlength=usable)
-    levels = len(scores)
 
-    # decode (depth, parent, rank) of every enumerated prefix, all depths at once
-    per_level = np.array([s.size for s in scores])  # [levels]
-    level = np.repeat(np.arange(levels), per_level)  # [N]
-    mask_start = np.cumsum([0] + [m.size for m in masks[:-1]])  # [levels]
-    flat = np.flatnonzero(np.concatenate(masks)) - mask_start[level]  # [N] position in the level's mask
-    parent_in_level, rank = np.divmod(flat, np.array(widths)[level])  # [N] each
-    first_node = np.cumsum(per_level) - per_level  # [levels] index of each level's first prefix
-    for depth_index, expanded in parent_maps:
-        at_level = slice(first_node[depth_index], first_node[depth_index] + per_level[depth_index])
-        parent_in_level[at_level] = expanded[parent_in_level[at_level]]
-    parent_offset = np.concatenate([[ROOT], first_node[:-1]])  # level 0: parent_in_level is 0 -> ROOT
-    parent = parent_in_level + parent_offset[level]  # [N] index into the enumeration
+    # the best `budget` in canonical order: score descending, ties in enumeration order (the canonical tie order)
     score = np.concatenate(scores)  # [N]
-
-    # keep the best `budget` in canonical order: score desc; ties keep enumeration order = (depth, rank path)
-    if score.size > budget:
+    if score.size <= 8 * budget:
+        order = np.argsort(-score, kind="stable")[:budget]
+    else:  # cut to the contenders first
         threshold = np.partition(score, score.size - budget)[score.size - budget]
         contenders = np.flatnonzero(score >= threshold)
         order = contenders[np.argsort(-score[contenders], kind="stable")[:budget]]
-    else:
-        order = np.argsort(-score, kind="stable")
-    if not _rows_suffice(candidates, chain_above, levels, score[order], budget):
+    worst = score[order[-1]] if order.size == budget else math.nan
+    checked = min(len(scores) + 1, usable + 1, candidates.cutoff.size)
+    reach = np.max(chain_above[:checked] + candidates.cutoff[:checked])  # best score through a missing token
+    if not (reach == -math.inf or reach < worst):  # (NaN worst: fewer than B found, so rows must be complete)
         return None
+
+    # decode depth, parent and rank of every enumerated prefix from the per-depth masks, then pick the chosen ones
+    per_level = [s.size for s in scores]
+    level = np.repeat(np.arange(len(scores)), per_level)  # [N] depth index
+    mask_start, columns, previous_first, row_first = np.repeat(np.array(layout), per_level, axis=0).T  # [N] each
+    rank, parent = np.divmod(np.flatnonzero(np.concatenate(masks)) - mask_start, columns)  # [N] each
+    for level_index, expanded in parent_maps:  # those parents were numbered among the expanded ones only
+        first = sum(per_level[:level_index])
+        parent[first: first + per_level[level_index]] = expanded[parent[first: first + per_level[level_index]]]
+    parent += previous_first  # [N] enumeration index of the parent; depth 0: 0 + ROOT
     position = np.full(score.size + 1, ROOT, dtype=np.int64)  # enumeration index -> output index; [-1] -> ROOT
     position[order] = np.arange(order.size)
-    out_level = level[order]
-    return SelectedNodes(tokens[row_start[out_level] + rank[order]], position[parent[order]], out_level + 1,
+    return SelectedNodes(tokens[row_first[order] + rank[order]], position[parent[order]], level[order] + 1,
                          score[order])
 
 
-def _rows_suffice(candidates: Candidates, chain_above: np.ndarray, levels: int, selected_scores: np.ndarray,
-                  budget: int) -> bool:
-    """Are the candidate rows long enough for the selection to be exact?
-
-    A prefix through a token missing from row d scores at most (chain above d) + cutoff[d], so it cannot beat the
-    worst selected node if that is lower. Rows below depth levels + 1 are unreachable: their parents scored too low.
-    """
-    checked = min(levels + 1, candidates.cutoff.size, chain_above.size)
-    cutoff = candidates.cutoff[:checked]
-    if not np.isfinite(cutoff).any():
-        return True
-    if selected_scores.size < budget:  # everything reachable was taken: only complete rows make that exact
-        return False
-    return bool(np.all(chain_above[:checked] + cutoff < selected_scores[-1]))
-
-
 def _select_by_heap(candidates: Candidates, budget: int) -> SelectedNodes | None:
-    """Fallback for drafts whose enumeration would explode (for example many -inf logits): the reference heap."""
-    row_start, counts = candidates.row_start, np.diff(candidates.row_start)
-    empty = np.flatnonzero(counts == 0)
-    usable = int(empty[0]) if empty.size else counts.size
-    values = [candidates.log_probs[row_start[d]: row_start[d + 1]].tolist() for d in range(usable)]
-    tokens = [candidates.token_ids[row_start[d]: row_start[d + 1]].tolist() for d in range(usable)]
+    """The reference heap on the candidate rows: for small budgets, and for drafts whose enumeration would explode
+    (for example rows of -inf logits, where every zero-probability prefix ties)."""
+    starts, usable = candidates.row_start.tolist(), candidates.reachable_rows
+    all_values, all_tokens = candidates.log_probs.tolist(), candidates.token_ids.tolist()
+    values = [all_values[starts[d]: starts[d + 1]] for d in range(usable)]
+    tokens = [all_tokens[starts[d]: starts[d + 1]] for d in range(usable)]
     selected = _best_first_heap(values, tokens, budget)
-    chain_above = np.zeros(usable + 1)
-    chain_above[1:] = np.cumsum([row[0] for row in values])
-    levels = int(selected.depths.max(initial=0))
-    if not _rows_suffice(candidates, chain_above, levels, selected.log_probs, budget):
-        return None
-    return selected
+    # exactness: no prefix through a missing token may beat the worst selected node (see _select_by_levels)
+    chain_above, reach = 0.0, -math.inf
+    for row in range(min(int(selected.depths.max(initial=0)) + 1, usable + 1, candidates.cutoff.size)):
+        reach = max(reach, chain_above + candidates.cutoff[row])
+        chain_above = chain_above + values[row][0] if row < usable else chain_above
+    worst = selected.log_probs[-1] if selected.log_probs.size == budget else math.nan
+    return selected if reach == -math.inf or reach < worst else None
 
 
 def _selected_empty() -> SelectedNodes:
@@ -377,6 +422,7 @@ def build_tree(draft_logits: torch.Tensor, budget: int) -> DraftTree:
     depth, _, budget = _check_inputs(draft_logits, budget)
     if budget == 0 or depth == 0:
         return DraftTree.empty()
+    draft_logits = draft_logits.detach()
     selected = select_prefixes(top_candidates(draft_logits, budget), budget)
     if selected is None:  # candidate rows too short to be sure: redo with complete top-K rows
         selected = select_prefixes(top_candidates(draft_logits, budget, complete=True), budget)

@@ -96,8 +96,8 @@ class DraftTree:
 
         Node order: the given order is kept when it lists parents before children and siblings in child-index order
         (``to_paths`` output always does, so ``from_paths(t.to_paths(), t.token_ids, t.log_probs)`` rebuilds ``t``);
-        otherwise the paths are stably sorted by length. Siblings must appear in child-index order because the child
-        index *is* the order of appearance among siblings.
+        otherwise nodes are put in breadth-first order (by path length, then lexicographically). Either way the child
+        index of a node equals its position among its siblings, the convention ``to_paths`` uses.
         """
         tuples = [tuple(int(step) for step in path) for path in paths]
         n = len(tuples)
@@ -117,13 +117,11 @@ class DraftTree:
                 raise ValueError(f"from_paths: path {path} is listed but its previous sibling "
                                  f"{path[:-1] + (path[-1] - 1,)} is not (child indices must be contiguous from 0)")
         order = list(range(n))
-        if any(index_of.get(path[:-1], -1) > i for i, path in enumerate(tuples)):
-            order.sort(key=lambda i: len(tuples[i]))  # stable: keeps the given order within a depth
+        consistent = all(index_of.get(path[:-1], -1) < i and
+                         (path[-1] == 0 or index_of[path[:-1] + (path[-1] - 1,)] < i) for i, path in enumerate(tuples))
+        if not consistent:
+            order.sort(key=lambda i: (len(tuples[i]), tuples[i]))
         position = {tuples[i]: pos for pos, i in enumerate(order)}
-        for path in tuples:
-            if path[-1] > 0 and position[path[:-1] + (path[-1] - 1,)] > position[path]:
-                raise ValueError(f"from_paths: path {path} appears before its previous sibling; siblings must appear "
-                                 f"in child-index order")
         parents = [position[tuples[i][:-1]] if len(tuples[i]) > 1 else ROOT for i in order]
         depths = [len(tuples[i]) for i in order]
         if token_ids is None:
@@ -234,11 +232,16 @@ class DraftTree:
     def validate(self, best_first: bool = True) -> DraftTree:
         """Check every invariant and raise ValueError naming the first broken one; returns self.
 
-        Structure: parents come first (-1 <= parents[i] < i), depth = parent depth + 1 (1 below the root), token ids
-        are non-negative and distinct among siblings (the walk down the tree needs an unambiguous child per token).
+        Layout: four 1-D CPU tensors of equal length, int64 except the float log-probs. Structure: parents come first
+        (-1 <= parents[i] < i), depth = parent depth + 1 (1 below the root), token ids are non-negative and distinct
+        among siblings (the walk down the tree needs an unambiguous child per token).
         Probabilities: no NaN, a child is never more probable than its parent (path probabilities only shrink), and
         with ``best_first`` the nodes are in non-increasing log-probability order.
         """
+        try:  # shapes and dtypes, as at construction (tensors can be resized in place since)
+            self.__post_init__()
+        except TypeError as error:
+            raise ValueError(str(error)) from error
         n = self.num_nodes
         for name in ("token_ids", "parents", "depths", "log_probs"):
             if getattr(self, name).device.type != "cpu":
