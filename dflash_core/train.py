@@ -49,7 +49,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .config import DFlashConfig, build_target_layer_ids
-from .model import DFlashDraftModel
+from .model import DFlashDraftModel, load_draft
 from .train_data import GenerationConfig, build_prompts, generate_responses, load_samples
 
 __all__ = [
@@ -110,7 +110,7 @@ PRESETS: dict[str, dict] = {
     "smollm2": dict(
         target="smollm2", layers=2, taps=5, block_size=16, mask_token_id=16, gamma=7.0, lr=6e-4, warmup_frac=0.04,
         anchors=48, seqs_per_step=8, max_len=768, loss_vocab="batch", distill_weight=0.5, distill_topk=8,
-        gen_minutes=45.0, train_minutes=38.0, gen_batch=48, max_new_tokens=256, eval_every=300,
+        gen_minutes=35.0, train_minutes=38.0, bench_prompts=8, gen_batch=32, data_workers=2, max_new_tokens=256, eval_every=300,
     ),
     # Published DFlash hyper-parameters for Qwen3-class targets (GPU, DDP under torchrun).
     "qwen3": dict(
@@ -223,13 +223,14 @@ def sequence_loss(model, embed: torch.nn.Module, head_weight: torch.Tensor, ids:
     core = getattr(model, "module", model)
     b = core.block_size
     dev = head_weight.device
+    dtype = next(core.parameters()).dtype  # the drafter's master weights (fp32 when training)
     n_ctx = int(anchors.max())  # context features 0..max_anchor-1 cover every block's needs
     tokens, positions, labels = block_inputs(ids, anchors, b, core.mask_token_id)
     mask = block_attention_mask(anchors, b, n_ctx).to(dev)[None, None]  # [1, 1, A*b, Nc + A*b]
     with torch.no_grad():
-        block_embeds = embed(tokens.to(dev))[None].float()  # [1, A*b, H] (frozen target embeddings)
+        block_embeds = embed(tokens.to(dev))[None].to(dtype)  # [1, A*b, H] (frozen target embeddings)
     with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.autocast):
-        hidden = model(block_embeds, feats.features[:n_ctx][None].float(), positions.to(dev),
+        hidden = model(block_embeds, feats.features[:n_ctx][None].to(dtype), positions.to(dev),
                        torch.arange(n_ctx, device=dev), attn_mask=mask)  # [1, A*b, H]
     valid = labels >= 0  # [A, b-1]
     hidden = hidden[0].view(len(anchors), b, -1)[:, 1:][valid.to(dev)]  # [N, H] predicted positions
@@ -240,7 +241,7 @@ def sequence_loss(model, embed: torch.nn.Module, head_weight: torch.Tensor, ids:
         # the target's distribution for the token at anchor+k sits at sequence position anchor+k-1
         src = (anchors[:, None] + torch.arange(b - 1))[valid].to(feats.top_ids.device)
         s_ids = feats.top_ids[src].to(dev)  # [N, k]
-        s_prob = feats.top_logp[src].to(dev).float().exp()
+        s_prob = feats.top_logp[src].to(dev).double().exp().to(dtype if dtype == torch.float64 else torch.float32)
         s_prob = s_prob / s_prob.sum(-1, keepdim=True)  # renormalised top-k distribution
     if cfg.loss_vocab == "batch":
         parts = [labels] + ([s_ids.reshape(-1)] if distill else [])
@@ -255,7 +256,7 @@ def sequence_loss(model, embed: torch.nn.Module, head_weight: torch.Tensor, ids:
         raise ValueError(f"loss_vocab must be 'full' or 'batch', got {cfg.loss_vocab!r}")
     with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.autocast):
         logits = hidden @ head.to(hidden.dtype).t()  # [N, C]
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
     ce = -logp.gather(1, lookup(labels)[:, None])[:, 0]  # [N]
     if distill:
         soft = -(s_prob * logp.gather(1, lookup(s_ids))).sum(-1)  # [N]
@@ -320,11 +321,12 @@ def _save_checkpoint(path: Path, draft, optimizer, state: TrainState) -> None:
 
 def train(target, draft: DFlashDraftModel, sequences: list[tuple[torch.Tensor, int]], cfg: TrainConfig,
           out: Path | None = None, log: Callable[[str], None] = print,
-          evaluate: Callable[[DFlashDraftModel], dict] | None = None) -> TrainState:
+          evaluate: Callable[[DFlashDraftModel], dict] | None = None, stop_after: int | None = None) -> TrainState:
     """Train ``draft`` on ``sequences`` = [(ids [T], prompt_len)] against ``target`` (frozen).
 
     Runs data-parallel when torch.distributed is initialised (the caller wraps nothing: DDP is applied here).
     ``out`` holds ``checkpoint.pt`` (resumed when present) and ``best/`` (the best drafter by eval tau).
+    ``stop_after`` ends this call after that many steps (checkpoint written), as an interruption would.
     """
     from tqdm import tqdm
 
@@ -341,6 +343,8 @@ def train(target, draft: DFlashDraftModel, sequences: list[tuple[torch.Tensor, i
     optimizer = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     state = TrainState()
     ckpt = out / "checkpoint.pt" if out is not None else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
     if ckpt is not None and ckpt.is_file():
         blob = torch.load(ckpt, map_location=dev, weights_only=False)
         draft.load_state_dict(blob["draft"])
@@ -380,7 +384,7 @@ def train(target, draft: DFlashDraftModel, sequences: list[tuple[torch.Tensor, i
     bar = tqdm(total=state.total_steps, initial=state.step, desc="train", unit="step", disable=rank != 0,
                mininterval=5)
     t_start, t_measure = time.perf_counter(), None
-    seconds_before = state.train_seconds
+    seconds_before, first_step = state.train_seconds, state.step
     neg_gen = torch.Generator().manual_seed(cfg.seed + 17 * rank)
     while _progress(state, cfg) < 1.0:
         step = state.step
@@ -429,6 +433,7 @@ def train(target, draft: DFlashDraftModel, sequences: list[tuple[torch.Tensor, i
             log(f"train: step {state.step}/{state.total_steps} loss {record['loss']:.4f} acc1 {stats['acc1']:.3f} "
                 f"lr {record['lr']:.2e} |g| {grad_norm:.2f} ({state.train_seconds / 60:.1f} min)")
         last = _progress(state, cfg) >= 1.0
+        interrupted = stop_after is not None and state.step - first_step >= stop_after
         if evaluate is not None and rank == 0 and (state.step % cfg.eval_every == 0 or last):
             draft.eval()
             ev = evaluate(draft)
@@ -438,8 +443,10 @@ def train(target, draft: DFlashDraftModel, sequences: list[tuple[torch.Tensor, i
             if out is not None and ev.get("tau", -1) > state.best_tau:
                 state.best_tau = ev["tau"]
                 draft.save_pretrained(out / "best", dtype=torch.bfloat16)
-        if out is not None and rank == 0 and (state.step % cfg.ckpt_every == 0 or last):
+        if out is not None and rank == 0 and (state.step % cfg.ckpt_every == 0 or last or interrupted):
             _save_checkpoint(ckpt, draft, optimizer, state)
+        if interrupted:
+            break
     bar.close()
     draft.eval()
     return state
@@ -459,6 +466,33 @@ def tau_evaluator(target, tokenizer, prompts: list[list[int]], max_new_tokens: i
         return {"tau": sum(lengths) / max(1, len(lengths))}
 
     return evaluate
+
+
+def benchmark_tau(target, draft, tokenizer, stop_ids: list[int], datasets: Sequence[str], per_dataset: int,
+                  max_new_tokens: int, log: Callable[[str], None] = print) -> dict:
+    """Greedy dflash_generate tau per dataset on the benchmark's own first items (select_items(name, n, seed=0))."""
+    from experiments.datasets import DatasetUnavailableError, build_chat, select_items
+
+    from .decoding import dflash_generate
+
+    results = {}
+    for name in datasets:
+        try:
+            items = select_items(name, per_dataset, seed=0)
+        except DatasetUnavailableError as err:
+            log(f"eval: {name} skipped ({err})")
+            continue
+        lengths, taus, t0 = [], [], time.perf_counter()
+        for item in items:
+            ids = build_chat(tokenizer, item.turns[:1])
+            res = dflash_generate(target, draft, torch.tensor([ids]), max_new_tokens=max_new_tokens,
+                                  stop_token_ids=stop_ids)
+            lengths += res.acceptance_lengths
+            taus.append(res.tau)
+        results[name] = {"tau": sum(lengths) / max(1, len(lengths)), "tau_per_prompt": taus, "prompts": len(items),
+                         "seconds": time.perf_counter() - t0}
+        log(f"eval: {name}: tau {results[name]['tau']:.3f} over {len(items)} prompts")
+    return results
 
 
 # ---------------------------------------------------------------------------------------------------- command line
@@ -490,6 +524,17 @@ def _load_target(name: str, dtype: torch.dtype, device: torch.device):
     return target, tokenizer, stops
 
 
+def _data_worker(index: int, workers: int, out: Path, prompts, gen: GenerationConfig, done: set[str],
+                 target_name: str) -> None:
+    torch.set_num_threads(1)
+    logger = logging.getLogger("dflash_core.train")
+    if not logger.handlers:
+        setup_logging(out)
+    target, tokenizer, stops = _load_target(target_name, torch.bfloat16, torch.device("cpu"))
+    generate_responses(target, tokenizer, prompts[index::workers], out / f"samples.part{index}.jsonl", gen, stops,
+                       log=lambda m: logger.info(f"[worker {index}] {m}"), done=done)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m dflash_core.train", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -499,12 +544,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stage", choices=["all", "data", "train"], default="all")
     p.add_argument("--export", help="also copy the final drafter into this folder (e.g. the package zoo)")
     p.add_argument("--device", default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     for name, typ in [("layers", int), ("taps", int), ("block-size", int), ("mask-token-id", int),
                       ("intermediate-size", int), ("gamma", float), ("anchors", int), ("seqs-per-step", int),
                       ("lr", float), ("warmup-frac", float), ("epochs", float), ("steps", int),
                       ("train-minutes", float), ("max-len", int), ("distill-weight", float), ("distill-topk", int),
-                      ("loss-vocab", str), ("negatives", int), ("eval-every", int), ("eval-prompts", int),
-                      ("gen-minutes", float), ("gen-batch", int), ("max-new-tokens", int), ("seed", int)]:
+                      ("loss-vocab", str), ("negatives", int), ("eval-every", int), ("eval-prompts", int), ("bench-prompts", int),
+                      ("gen-minutes", float), ("gen-batch", int), ("data-workers", int), ("max-new-tokens", int), ("seed", int)]:
         p.add_argument(f"--{name}", type=typ, default=None)
     p.add_argument("--no-cache-features", action="store_true")
     return p
@@ -514,7 +560,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     a = _parser().parse_args(argv)
     opts = dict(PRESETS[a.preset])
     opts.update({k: v for k, v in vars(a).items() if v is not None and k not in ("out", "preset", "stage", "export",
-                                                                                 "device", "no_cache_features")})
+                                                                                 "device", "no_cache_features",
+                                                                                 "threads")})
+    if a.threads:
+        torch.set_num_threads(a.threads)
     if a.no_cache_features:
         opts["cache_features"] = False
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -544,7 +593,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     marker = out / "data.done"
     if a.stage in ("all", "data") and not marker.exists():
         prompts = build_prompts(seed, data_cfg.n_math_templates, data_cfg.n_chat)[rank::world]
-        generate_responses(target, tokenizer, prompts, samples_path, gen, stops, log=log)
+        done = {s["prompt_id"] for path in out.glob("samples*.jsonl") for s in load_samples(path)}
+        workers = opts.get("data_workers") or 1
+        if world == 1 and workers > 1 and device.type == "cpu":
+            # N single-thread workers on prompt shards: on a small, shared CPU this beats one N-thread process
+            # (no OpenMP threads spinning in lock-step while another job holds a core)
+            import torch.multiprocessing as mp
+
+            del target
+            mp.spawn(_data_worker, args=(workers, out, prompts, gen, done, opts.get("target") or "smollm2"), nprocs=workers, join=True)
+            target, tokenizer, stops = _load_target(opts.get("target") or "smollm2", torch.bfloat16, device)
+        else:
+            generate_responses(target, tokenizer, prompts, samples_path, gen, stops, log=log, done=done)
         if distributed:
             dist.barrier()
         if rank == 0:
@@ -593,13 +653,19 @@ def main(argv: Sequence[str] | None = None) -> None:
                    "best_eval_tau": state.best_tau, "sequences": len(sequences), "response_tokens": n_tokens,
                    "options": opts, "total_minutes": (time.perf_counter() - t0) / 60}
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        log(f"done: {json.dumps(summary)}")
         if a.export:
             dest = Path(a.export)
             dest.mkdir(parents=True, exist_ok=True)
             for name in ("config.json", "model.safetensors"):
                 shutil.copy2(final / name, dest / name)
             log(f"exported the drafter to {dest}")
+        if opts.get("bench_prompts"):
+            final_draft = load_draft(final, dtype=target.dtype)  # exactly what ships (bf16)
+            summary["benchmark_tau"] = benchmark_tau(
+                target, final_draft, tokenizer, stops, ("gsm8k", "math500", "humaneval", "mt-bench"),
+                opts["bench_prompts"], 256, log)
+            (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        log(f"done: {json.dumps(summary)}")
     if distributed:
         dist.destroy_process_group()
 

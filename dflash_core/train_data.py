@@ -359,12 +359,15 @@ def _batches(items: list[tuple[PromptItem, list[int]]], batch_size: int) -> Iter
 
 @torch.inference_mode()
 def generate_responses(target, tokenizer, prompts: list[PromptItem], out_path: str | Path, config: GenerationConfig,
-                       stop_ids: list[int], log=print) -> int:
-    """Append the target's responses to ``out_path`` (JSONL), skipping prompts already there. Returns #new samples."""
+                       stop_ids: list[int], log=print, done: set[str] | None = None) -> int:
+    """Append the target's responses to ``out_path`` (JSONL), skipping prompts already there (or in ``done``).
+
+    Returns the number of new samples.
+    """
     from experiments.datasets import build_chat
 
     out_path = Path(out_path)
-    done = {s["prompt_id"] for s in load_samples(out_path)}
+    done = set(done or ()) | {s["prompt_id"] for s in load_samples(out_path)}
     todo = []
     for it in prompts:
         if it.prompt_id in done:

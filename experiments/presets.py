@@ -1,7 +1,7 @@
 """Benchmark presets: frozen configurations for ``python -m experiments.benchmark --preset NAME``.
 
 * ``default`` -- the embedded offline pair (SmolLM2-135M-Instruct + the shipped drafter) on this kind of 2-core CPU:
-  all six offline datasets, a few samples each, AR + DFlash + DDTree at budgets 8/16/32/64 (+ ``auto``), greedy.
+  all six offline datasets, a few samples each, AR + DFlash + DDTree at budgets 4/8/16/32/64/128 (+ ``auto``), greedy.
   Sized so that ``bash run_benchmark.sh`` on a fresh clone, setup included, ends within 15 minutes.
 * ``quick``   -- a smoke test of the same path in well under 3 minutes.
 * ``paper``   -- the DDTree paper's grid on CUDA (Qwen3-4B/8B, Qwen3-Coder-30B-A3B with the z-lab drafters,
@@ -128,6 +128,8 @@ _SMOLLM2 = ModelPair("default", "default", name="smollm2-135m")
 # turn together cost ~0.12 s per generated token at the drafter quality issue 4 asks for (τ ≈ 2.5-3.5), ~0.18 s at
 # τ ≈ 1.5. 6 datasets x 3 samples + 3 MT-Bench second turns = 21 turns x 128 tokens: 5.5-8 min of decoding, plus
 # prefill, warm-up and the cost measurement of `auto` (~1 min), first-time setup and the figures: within 15 minutes.
+# Budgets 4 and 128 bracket the sweep so the 'auto' policy is compared, interleaved in one run, with the best fixed
+# budget among {4, ..., 128} chosen after the fact (the oracle).
 DEFAULT = Preset(
     name="default",
     description="embedded SmolLM2-135M pair on CPU: 6 offline datasets x 3 samples, 128 tokens, T=0",
@@ -135,7 +137,7 @@ DEFAULT = Preset(
     datasets=OFFLINE_DATASETS,
     max_samples=3,
     max_new_tokens=128,
-    budgets=(8, 16, 32, 64, "auto"),
+    budgets=(4, 8, 16, 32, 64, 128, "auto"),
     optional_budgets=("auto",),
 )
 
