@@ -566,6 +566,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         torch.set_num_threads(a.threads)
     if a.no_cache_features:
         opts["cache_features"] = False
+    if not opts.get("target"):
+        raise SystemExit(f"--preset {a.preset} needs --target (a Hugging Face model id or folder, e.g. Qwen/Qwen3-8B)")
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
         backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -126,16 +126,17 @@ _SMOLLM2 = ModelPair("default", "default", name="smollm2-135m")
 # Time budget on this 2-core CPU in bf16, from the verify costs in FACTS §3 (one forward: 22 ms for 1 token, 28 ms
 # for 16, 37 ms for 32, 52 ms for 64) plus ~5-10 ms of drafter and bookkeeping per round: all seven variants of one
 # turn together cost ~0.12 s per generated token at the drafter quality issue 4 asks for (τ ≈ 2.5-3.5), ~0.18 s at
-# τ ≈ 1.5. 6 datasets x 3 samples + 3 MT-Bench second turns = 21 turns x 128 tokens: 5.5-8 min of decoding, plus
+# τ ≈ 1.5. 6 datasets x 2 samples + 2 MT-Bench second turns = 14 turns x 9 variants x 128 tokens: measured ~5 s per
+# generation with the shipped drafter (~10.5 min of decoding), plus
 # prefill, warm-up and the cost measurement of `auto` (~1 min), first-time setup and the figures: within 15 minutes.
 # Budgets 4 and 128 bracket the sweep so the 'auto' policy is compared, interleaved in one run, with the best fixed
 # budget among {4, ..., 128} chosen after the fact (the oracle).
 DEFAULT = Preset(
     name="default",
-    description="embedded SmolLM2-135M pair on CPU: 6 offline datasets x 3 samples, 128 tokens, T=0",
+    description="embedded SmolLM2-135M pair on CPU: 6 offline datasets x 2 samples, 128 tokens, T=0",
     models=(_SMOLLM2,),
     datasets=OFFLINE_DATASETS,
-    max_samples=3,
+    max_samples=2,
     max_new_tokens=128,
     budgets=(4, 8, 16, 32, 64, 128, "auto"),
     optional_budgets=("auto",),
