@@ -47,19 +47,24 @@ def test_load_default_pair_offline_with_dtype_override(fp32_pair):
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") == 2
 
 
-def test_greedy_dflash_equals_autoregressive_in_fp32(fp32_pair):
+def test_greedy_dflash_and_ddtree_equal_autoregressive_in_fp32(fp32_pair):
+    from ddtree import ddtree_generate
     from dflash_core import autoregressive_generate, dflash_generate
     from dflash_core.default import stop_token_ids
     from experiments.datasets import build_chat
 
     target, draft, tokenizer = fp32_pair
     stops = stop_token_ids(tokenizer)
-    accepted = []
+    chain, tree = [], []
     for text in PROMPTS:
         ids = torch.tensor([build_chat(tokenizer, [text])])
         ref = autoregressive_generate(target, ids, max_new_tokens=48, stop_token_ids=stops)
         out = dflash_generate(target, draft, ids, max_new_tokens=48, stop_token_ids=stops)
         assert out.new_token_ids == ref.new_token_ids, text
-        accepted += out.acceptance_lengths
-    # the shipped drafter is trained: it must beat plain decoding's one token per round
-    assert sum(accepted) / len(accepted) > 1.2
+        chain += out.acceptance_lengths
+        out = ddtree_generate(target, draft, ids, budget=16, max_new_tokens=48, stop_token_ids=stops)
+        assert out.new_token_ids == ref.new_token_ids, text
+        tree += out.acceptance_lengths
+    # the shipped drafter is trained: it must beat plain decoding's one token per round, and the tree the chain
+    assert sum(chain) / len(chain) > 1.2
+    assert sum(tree) / len(tree) > sum(chain) / len(chain)
