@@ -47,6 +47,19 @@ def test_load_default_pair_offline_with_dtype_override(fp32_pair):
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") == 2
 
 
+def assert_equal_up_to_fp32_ties(target, ids, ref: list[int], got: list[int], tol: float = 1e-4) -> None:
+    """Equal, or the first difference sits on an exact fp32 tie of the target (the tree mask path and the one-token
+    path differ by ~1e-5 in fp32; one such tie, margin 2e-6, was seen on the GSM8K prompt below)."""
+    if got == ref:
+        return
+    k = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+    assert k < min(len(ref), len(got)), "outputs differ in length only"
+    with torch.no_grad():
+        logits = target(torch.cat([ids[0], torch.tensor(ref[:k], dtype=torch.long)])[None]).logits[0, -1].float()
+    margin = abs(float(logits[ref[k]] - logits[got[k]]))
+    assert margin < tol, f"mismatch at token {k} with a logit margin of {margin:.2e}: not a numerical tie"
+
+
 def test_greedy_dflash_and_ddtree_equal_autoregressive_in_fp32(fp32_pair):
     from ddtree import ddtree_generate
     from dflash_core import autoregressive_generate, dflash_generate
@@ -63,7 +76,7 @@ def test_greedy_dflash_and_ddtree_equal_autoregressive_in_fp32(fp32_pair):
         assert out.new_token_ids == ref.new_token_ids, text
         chain += out.acceptance_lengths
         out = ddtree_generate(target, draft, ids, budget=16, max_new_tokens=48, stop_token_ids=stops)
-        assert out.new_token_ids == ref.new_token_ids, text
+        assert_equal_up_to_fp32_ties(target, ids, ref.new_token_ids, out.new_token_ids)
         tree += out.acceptance_lengths
     # the shipped drafter is trained: it must beat plain decoding's one token per round, and the tree the chain
     assert sum(chain) / len(chain) > 1.2
