@@ -31,7 +31,7 @@ import torch
 from .build import build_tree
 from .tree import DraftTree
 
-__all__ = ["CostModel", "AutoBudget", "measure_cost_model", "best_prefix", "truncate_tree"]
+__all__ = ["CostModel", "AutoBudget", "measure_cost_model", "median_seconds", "best_prefix", "truncate_tree"]
 
 
 # ---------------------------------------------------------------------------------------------------- cost model
@@ -104,7 +104,8 @@ def _cost_cache_dir() -> Path:
     return Path(base) / "costs"
 
 
-def _median_seconds(fn, repeats: int, device: torch.device) -> float:
+def median_seconds(fn, repeats: int, device: torch.device) -> float:
+    """Median seconds of ``fn()``: CUDA events on CUDA, perf_counter on CPU."""
     times = []
     for _ in range(repeats):
         if device.type == "cuda":
@@ -155,7 +156,7 @@ def measure_cost_model(target, draft, grid: tuple[int, ...] | None = None, conte
             adapter.crop(cache, context)
 
         run()  # warm-up for this shape
-        verify.append(_median_seconds(run, repeats, device))
+        verify.append(median_seconds(run, repeats, device))
     fixed = 0.0
     if draft is not None:
         b = draft.block_size
@@ -171,7 +172,7 @@ def measure_cost_model(target, draft, grid: tuple[int, ...] | None = None, conte
             build_tree(logits, 32)
 
         draft_pass()
-        fixed = _median_seconds(draft_pass, repeats, device)
+        fixed = median_seconds(draft_pass, repeats, device)
     model = CostModel(tuple(grid), tuple(verify), fixed, key)
     if use_cache:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -101,22 +101,11 @@ def build_draft(target, config: CheckConfig):
 # ---------------------------------------------------------------------------------------------------- timing
 def median_ms(fn: Callable[[], Any], device: torch.device, repeats: int, warmups: int) -> float:
     """Median wall time of ``fn`` in ms: CUDA events on CUDA, perf_counter on CPU."""
+    from ddtree.budget import median_seconds
+
     for _ in range(warmups):
         fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1000.0)
-    return statistics.median(times)
+    return 1000.0 * median_seconds(fn, repeats, device)
 
 
 def _random_logits(rows: int, vocab: int, seed: int, scale: float = 4.0) -> torch.Tensor:
