@@ -168,7 +168,7 @@ def measure_cost_model(target, draft, grid: tuple[int, ...] | None = None, conte
             block = adapter.embed(torch.randint(0, vocab, (b,), generator=gen).to(device))[None]
             hidden = draft(block.to(next(draft.parameters()).dtype), feats[None][:, -16:], torch.arange(context, context + b),
                            torch.arange(context - 16, context), cache=dcache)
-            logits = adapter.lm_head(hidden[0, 1:])
+            logits = adapter.lm_head(hidden[0, 1:], draft)
             build_tree(logits, 32)
 
         draft_pass()

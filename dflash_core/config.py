@@ -49,6 +49,7 @@ class DFlashConfig:
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 40960
     attention_bias: bool = False
+    draft_vocab_size: int | None = None  # reduced draft vocabulary (ids in the weights as "draft_vocab"); None = full
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -91,6 +92,8 @@ class DFlashConfig:
             num_target_layers=self.num_target_layers,
             dflash_config={"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
         )
+        if self.draft_vocab_size is not None:
+            out["draft_vocab_size"] = self.draft_vocab_size
         out.setdefault("layer_types", ["full_attention"] * self.num_hidden_layers)
         out.setdefault("sliding_window", None)
         out.setdefault("use_sliding_window", False)

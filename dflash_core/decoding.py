@@ -144,6 +144,24 @@ def follow(
         node = child + 1
 
 
+def verify_walk(
+    proposal: Proposal,
+    logits: torch.Tensor,  # [n+1, V] target logits at root + nodes
+    temperature: float,
+    generator: torch.Generator | None,
+) -> tuple[list[int], int]:
+    """The round's verification rule: (accepted node indices, bonus token).
+
+    A proposal may carry its own rule as ``proposal.verify(logits, temperature, generator)`` (sampled trees verify
+    their children by recursive rejection sampling, see ``ddtree.sampled``); every other proposal is walked with
+    sample-and-match (:func:`follow`), which is lossless for any tree whose tokens do not depend on the target.
+    """
+    verify = getattr(proposal, "verify", None)
+    if verify is not None:
+        return verify(logits, temperature, generator)
+    return follow(proposal.token_ids, proposal.parents, logits, temperature, generator)
+
+
 # ---------------------------------------------------------------------------------------------------- the loop
 @dataclass
 class GenerationResult:
@@ -242,14 +260,14 @@ def speculative_generate(
                     torch.arange(draft_cache.length, start, device=device),
                     cache=draft_cache,
                 )  # [1, b, hidden]
-                draft_logits = adapter.lm_head(hidden[0, 1:])  # [b-1, V]: row d-1 drafts depth d
+                draft_logits = adapter.lm_head(hidden[0, 1:], draft)  # [b-1, V]: row d-1 drafts depth d
         with timer.stage("tree"):
             proposal = policy.propose(draft_logits, history)
         with timer.stage("verify"):
             verify_ids, positions, visibility = compile_proposal(proposal, root, start)
             out = adapter.forward(verify_ids, positions, cache, visibility=visibility, with_features=policy.uses_draft)
         with timer.stage("commit"):
-            path, bonus = follow(proposal.token_ids, proposal.parents, out.logits, temperature, generator)
+            path, bonus = verify_walk(proposal, out.logits, temperature, generator)
             if observe is not None:
                 observe(len(path))
             keep = torch.tensor([0] + [i + 1 for i in path], dtype=torch.long)  # root + accepted nodes

@@ -47,8 +47,18 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.head_dim, self.theta = head_dim, theta
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def _inv_freq(self) -> torch.Tensor:
+        return (1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim))).float()
+
+    def _apply(self, fn, recurse=True):
+        # ``model.to(torch.bfloat16)`` would cast the frequencies too (errors up to 0.4%, phase errors > 0.3 rad at a
+        # few thousand positions); they stay float32 like the target's own rotary, only their device follows.
+        super()._apply(fn, recurse)
+        self.inv_freq = self._inv_freq().to(self.inv_freq.device)
+        return self
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [B, S] -> cos, sin: [B, 1, S, head_dim]
@@ -173,6 +183,12 @@ class DFlashDraftModel(nn.Module):
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = Rotary(config.head_dim, config.rope_theta)
+        if config.draft_vocab_size is not None:
+            # target token ids the drafter drafts over (ascending); saved with the weights as "draft_vocab"
+            self.register_buffer("draft_vocab", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        else:
+            self.draft_vocab = None
+        self._head_rows: tuple | None = None  # (weight, version, rows of the target head for draft_vocab)
 
     @property
     def block_size(self) -> int:
@@ -181,6 +197,40 @@ class DFlashDraftModel(nn.Module):
     @property
     def mask_token_id(self) -> int:
         return self.config.mask_token_id
+
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        """Give the drafter a reduced vocabulary: the target token ids it may draft (any order; stored ascending)."""
+        ids = torch.unique(torch.as_tensor(token_ids, dtype=torch.long).flatten())
+        if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= self.config.vocab_size:
+            raise ValueError(f"draft vocabulary ids must lie in [0, {self.config.vocab_size}) and be non-empty")
+        device = next(self.parameters()).device
+        import dataclasses
+
+        self.config = dataclasses.replace(self.config, draft_vocab_size=int(ids.numel()))
+        if "draft_vocab" in self._buffers:
+            del self._buffers["draft_vocab"]
+        self.__dict__.pop("draft_vocab", None)
+        self.register_buffer("draft_vocab", ids.to(device))
+        self._head_rows = None
+
+    def head_rows(self, head_weight: torch.Tensor) -> torch.Tensor:
+        """The target LM head's rows of the draft vocabulary ([V', hidden]), gathered once and cached."""
+        key = (head_weight.data_ptr(), head_weight._version, head_weight.dtype, head_weight.device)
+        if self._head_rows is None or self._head_rows[0] != key:
+            self._head_rows = (key, head_weight.detach().index_select(0, self.draft_vocab.to(head_weight.device)))
+        return self._head_rows[1]
+
+    def vocab_logits(self, hidden: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] -> float32 logits over the TARGET vocabulary from the target's head ``head_weight``.
+
+        With a draft vocabulary only its rows are computed (the point: the head dominates a small drafter's cost);
+        every other token gets -inf, so trees and samples never propose it. Without one, the full head.
+        """
+        if self.draft_vocab is None:
+            return (hidden.to(head_weight.dtype) @ head_weight.t()).float()
+        sub = (hidden.to(head_weight.dtype) @ self.head_rows(head_weight).t()).float()  # [..., V']
+        full = sub.new_full((*sub.shape[:-1], head_weight.shape[0]), float("-inf"))
+        return full.index_copy_(-1, self.draft_vocab.to(sub.device), sub)
 
     def set_flash_attention(self, enabled: bool) -> None:
         """Use flash-attn for the (unmasked) decoding pass when it is installed and tensors are fp16/bf16 on CUDA."""

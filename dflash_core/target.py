@@ -87,8 +87,13 @@ class TargetAdapter:
         """[..., n] token ids -> [..., n, hidden] input embeddings of the target."""
         return self.model.model.embed_tokens(token_ids)
 
-    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., hidden] -> [..., V] logits with the target's head (in float32)."""
+    def lm_head(self, hidden: torch.Tensor, draft=None) -> torch.Tensor:
+        """[..., hidden] -> [..., V] logits with the target's head (in float32).
+
+        With ``draft`` given, its draft vocabulary (if any) decides which rows are computed (others are -inf).
+        """
+        if draft is not None and getattr(draft, "draft_vocab", None) is not None:
+            return draft.vocab_logits(hidden, self.model.lm_head.weight)
         return self.model.lm_head(hidden.to(self.dtype)).float()
 
     # ------------------------------------------------------------------ cache

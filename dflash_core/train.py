@@ -252,8 +252,22 @@ def sequence_loss(model, embed: torch.nn.Module, head_weight: torch.Tensor, ids:
         head = head_weight[cand]
     elif cfg.loss_vocab == "full":
         lookup, head = (lambda x: x), head_weight
+    elif cfg.loss_vocab == "draft":
+        # the exact softmax of a drafter with a reduced vocabulary: over its V' tokens; labels outside it cannot be
+        # drafted and leave the hard-label term, soft labels outside it are dropped and the rest renormalised
+        if core.draft_vocab is None:
+            raise ValueError("loss_vocab='draft' needs a drafter with a draft vocabulary (set_draft_vocab)")
+        vocab = core.draft_vocab.to(dev)
+        t2d = torch.full((head_weight.shape[0],), -1, dtype=torch.long, device=dev)
+        t2d[vocab] = torch.arange(len(vocab), device=dev)
+        lookup, head = (lambda x: t2d[x].clamp(min=0)), core.head_rows(head_weight)
+        inside = t2d[labels] >= 0
+        w = w * inside
+        if distill:
+            s_prob = s_prob * (t2d[s_ids] >= 0)
+            s_prob = s_prob / s_prob.sum(-1, keepdim=True).clamp(min=1e-12)
     else:
-        raise ValueError(f"loss_vocab must be 'full' or 'batch', got {cfg.loss_vocab!r}")
+        raise ValueError(f"loss_vocab must be 'full', 'batch' or 'draft', got {cfg.loss_vocab!r}")
     with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.autocast):
         logits = hidden @ head.to(hidden.dtype).t()  # [N, C]
     logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
@@ -321,12 +335,15 @@ def _save_checkpoint(path: Path, draft, optimizer, state: TrainState) -> None:
 
 def train(target, draft: DFlashDraftModel, sequences: list[tuple[torch.Tensor, int]], cfg: TrainConfig,
           out: Path | None = None, log: Callable[[str], None] = print,
-          evaluate: Callable[[DFlashDraftModel], dict] | None = None, stop_after: int | None = None) -> TrainState:
+          evaluate: Callable[[DFlashDraftModel], dict] | None = None, stop_after: int | None = None,
+          feature_source: Callable[[int], SequenceFeatures] | None = None) -> TrainState:
     """Train ``draft`` on ``sequences`` = [(ids [T], prompt_len)] against ``target`` (frozen).
 
     Runs data-parallel when torch.distributed is initialised (the caller wraps nothing: DDP is applied here).
     ``out`` holds ``checkpoint.pt`` (resumed when present) and ``best/`` (the best drafter by eval tau).
     ``stop_after`` ends this call after that many steps (checkpoint written), as an interruption would.
+    ``feature_source(i)`` gives sequence i's target features when they were kept at generation time
+    (:mod:`dflash_core.training.shards`); without it one teacher-forced target pass per sequence computes them.
     """
     from tqdm import tqdm
 
@@ -351,7 +368,11 @@ def train(target, draft: DFlashDraftModel, sequences: list[tuple[torch.Tensor, i
         optimizer.load_state_dict(blob["optimizer"])
         state = TrainState(**blob["state"])
         log(f"train: resumed from {ckpt} at step {state.step}")
-    sequences = [(ids[: cfg.max_len], p) for ids, p in sequences if min(len(ids), cfg.max_len) - p >= 2]
+    keep = [i for i, (ids, p) in enumerate(sequences) if min(len(ids), cfg.max_len) - p >= 2]
+    if feature_source is not None and len(keep) < len(sequences):
+        source = feature_source
+        feature_source = lambda i: source(keep[i])  # noqa: E731  indices follow the kept sequences
+    sequences = [(sequences[i][0][: cfg.max_len], sequences[i][1]) for i in keep]
     n_seq = len(sequences)
     steps_per_epoch = max(1, n_seq // cfg.seqs_per_step)
     if cfg.time_budget_s is None:
@@ -359,6 +380,8 @@ def train(target, draft: DFlashDraftModel, sequences: list[tuple[torch.Tensor, i
     cache: dict[int, SequenceFeatures] = {}
 
     def features(i: int) -> SequenceFeatures:
+        if feature_source is not None:
+            return feature_source(i)
         if i in cache:
             return cache[i]
         f = target_features(target, sequences[i][0], layer_ids, cfg.distill_topk if cfg.distill_weight > 0 else 0)
@@ -377,7 +400,7 @@ def train(target, draft: DFlashDraftModel, sequences: list[tuple[torch.Tensor, i
         ids, p = sequences[i]
         return sample_anchors(p, len(ids), cfg.anchors, g)
 
-    if cfg.cache_features:  # one teacher-forced target pass per sequence, up front (not part of the time budget)
+    if cfg.cache_features and feature_source is None:  # one teacher-forced target pass per sequence, up front (not part of the time budget)
         for i in tqdm(range(n_seq), desc="target features", unit="seq", disable=rank != 0, mininterval=5):
             features(i)
     weights = position_weights(draft.block_size, cfg.gamma)

@@ -239,8 +239,8 @@ def draft_cost(target, draft, config: CheckConfig, device: torch.device) -> dict
     hidden = draft(block, features[None, ctx:], torch.arange(ctx + 4, ctx + 4 + b, device=device),
                    torch.arange(ctx, ctx + 4, device=device), cache=cache)
     cache.crop(ctx)
-    head_ms = median_ms(lambda: adapter.lm_head(hidden[0, 1:]), device, config.repeats, config.warmups)
-    logits = adapter.lm_head(hidden[0, 1:])  # [b-1, V] on the device, as in the decode loop
+    head_ms = median_ms(lambda: adapter.lm_head(hidden[0, 1:], draft), device, config.repeats, config.warmups)
+    logits = adapter.lm_head(hidden[0, 1:], draft)  # [b-1, V] on the device, as in the decode loop
     build_ms = {str(budget): median_ms(lambda budget=budget: build_tree(logits, budget), device, config.repeats,
                                        config.warmups) for budget in config.tree_budgets}
     return {"block_size": b, "layers": draft.config.num_hidden_layers,

@@ -1,0 +1,144 @@
+"""Train a drafter on accumulated data shards: ``python -m dflash_core.training.fit --data runs/data --out runs/fit``.
+
+Uses the target features kept at generation time (no teacher-forced pass), optionally a reduced draft vocabulary
+(``--draft-vocab 16384``: the most frequent tokens of the target's own responses; the loss is then the drafter's exact
+softmax over it), and optionally starts from an existing drafter (``--init``). Resumable: a rerun with the same
+``--out`` continues from ``checkpoint.pt``. Writes ``drafter/`` (bf16, z-lab format plus ``draft_vocab``) and
+``summary.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from ..model import DFlashDraftModel, load_draft
+from ..train import DraftSpec, TrainConfig, make_draft_config, setup_logging, tau_evaluator, train
+from .corpus import build_draft_vocab, load_corpus, vocab_coverage
+
+__all__ = ["main"]
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m dflash_core.training.fit", description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", required=True, action="append", help="shard folder (repeatable)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--init", help="start from this drafter folder (same shape) instead of random weights")
+    p.add_argument("--export", help="also copy the final drafter into this folder")
+    p.add_argument("--draft-vocab", type=int, default=0, help="reduced draft vocabulary size (0: full vocabulary)")
+    p.add_argument("--loss-vocab", default=None, help="'draft' (default with --draft-vocab), 'full' or 'batch'")
+    p.add_argument("--minutes", type=float, default=None, help="training time budget (the schedule follows it)")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--taps", type=int, default=5)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--mask-token-id", type=int, default=16)
+    p.add_argument("--gamma", type=float, default=7.0)
+    p.add_argument("--anchors", type=int, default=48)
+    p.add_argument("--seqs-per-step", type=int, default=8)
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--warmup-frac", type=float, default=0.04)
+    p.add_argument("--distill-weight", type=float, default=0.5)
+    p.add_argument("--max-len", type=int, default=768)
+    p.add_argument("--eval-every", type=int, default=200)
+    p.add_argument("--eval-prompts", type=int, default=6)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    out = Path(a.out)
+    logger = setup_logging(out)
+    log = logger.info
+    log(f"options: {json.dumps(vars(a), sort_keys=True)}")
+    from ..default import load_default_target, stop_token_ids
+
+    t0 = time.perf_counter()
+    target, tokenizer = load_default_target(torch.bfloat16)
+    stops = stop_token_ids(tokenizer)
+    corpora = [load_corpus(d, tokenizer, a.seed) for d in a.data]
+    sequences, keys, sources, responses, sources_feats = [], [], [], [], []
+    for c in corpora:
+        if not c.has_features:
+            raise SystemExit(f"a shard folder holds shards without kept features; regenerate or use dflash_core.train")
+        base = len(sequences)
+        sequences += c.sequences
+        keys += c.keys
+        sources += c.sources
+        responses += c.responses
+        sources_feats += [(c, i) for i in range(len(c.sequences))]
+        log(f"data: {len(c.sequences)} sequences from {a.data[corpora.index(c)]} ({c.skipped} skipped), base {base}")
+    # hold out a few samples, spread over sources, for the tau evaluation during training
+    rng = random.Random(f"holdout:{a.seed}")
+    by_source: dict[str, list[int]] = {}
+    for i, s in enumerate(sources):
+        by_source.setdefault(s, []).append(i)
+    held: set[int] = set()
+    while len(held) < min(a.eval_prompts, len(sequences)):
+        for src in sorted(by_source):
+            if len(held) < a.eval_prompts:
+                held.add(rng.choice(by_source[src]))
+    train_idx = [i for i in range(len(sequences)) if i not in held]
+    eval_prompts = [sequences[i][0][: sequences[i][1]].tolist() for i in sorted(held)]
+    n_tokens = sum(len(responses[i]) for i in train_idx)
+    log(f"data: {len(train_idx)} training sequences, {n_tokens} response tokens, {len(held)} held out")
+
+    spec = DraftSpec(layers=a.layers, taps=a.taps, block_size=a.block_size, mask_token_id=a.mask_token_id)
+    torch.manual_seed(a.seed)
+    if a.init:
+        draft = load_draft(a.init, dtype=torch.float32)
+        log(f"drafter: initialised from {a.init}")
+    else:
+        draft = DFlashDraftModel(make_draft_config(target.config, spec))
+    coverage = None
+    if a.draft_vocab:
+        vocab = build_draft_vocab([responses[i] for i in train_idx], a.draft_vocab, always=stops)
+        draft.set_draft_vocab(vocab)
+        coverage = vocab_coverage([responses[i] for i in sorted(held)] or responses[:50], vocab)
+        log(f"draft vocabulary: {len(vocab)} ids, held-out token coverage {coverage:.4f}")
+    log(f"drafter: {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M parameters, "
+        f"taps {list(draft.config.target_layer_ids)}")
+    loss_vocab = a.loss_vocab or ("draft" if a.draft_vocab else "batch")
+    cfg = TrainConfig(gamma=a.gamma, anchors=a.anchors, seqs_per_step=a.seqs_per_step, lr=a.lr,
+                      warmup_frac=a.warmup_frac, steps=a.steps, max_len=a.max_len, distill_weight=a.distill_weight,
+                      distill_topk=8, loss_vocab=loss_vocab, eval_every=a.eval_every, eval_prompts=a.eval_prompts,
+                      eval_new_tokens=64, seed=a.seed, cache_features=False,
+                      time_budget_s=a.minutes * 60 if a.minutes else None)
+    evaluate = tau_evaluator(target, tokenizer, eval_prompts, cfg.eval_new_tokens, stops) if eval_prompts else None
+
+    def feature_source(j: int):
+        corpus, i = sources_feats[train_idx[j]]
+        return corpus.feature_source(i)
+
+    state = train(target, draft, [sequences[i] for i in train_idx], cfg, out, log, evaluate,
+                  feature_source=feature_source)
+    final = out / "drafter"
+    draft.save_pretrained(final, dtype=torch.bfloat16)
+    tail = state.history[-50:]
+    summary = {"steps": state.step, "train_minutes": state.train_seconds / 60,
+               "final_loss_last50": sum(h["loss"] for h in tail) / max(1, len(tail)),
+               "final_acc1_last50": sum(h["acc1"] for h in tail) / max(1, len(tail)),
+               "best_eval_tau": state.best_tau, "sequences": len(train_idx), "response_tokens": n_tokens,
+               "draft_vocab": a.draft_vocab or None, "draft_vocab_coverage": coverage,
+               "options": vars(a), "total_minutes": (time.perf_counter() - t0) / 60,
+               "history": [{k: h[k] for k in h if k in ("step", "loss", "acc1", "tau")} for h in state.history
+                           if h["step"] % 25 == 0 or "tau" in h]}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    if a.export:
+        dest = Path(a.export)
+        dest.mkdir(parents=True, exist_ok=True)
+        for name in ("config.json", "model.safetensors"):
+            shutil.copy2(final / name, dest / name)
+        log(f"exported the drafter to {dest}")
+    log(f"done: steps {state.step}, loss {summary['final_loss_last50']:.4f}, best tau {state.best_tau:.3f}")
+
+
+if __name__ == "__main__":
+    main()

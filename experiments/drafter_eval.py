@@ -1,0 +1,108 @@
+"""The drafter's fixed evaluation protocol: ``python -m experiments.drafter_eval --draft <folder> [--draft ...]``.
+
+24 prompts of the benchmark selection that no training run may use (``select_items(name, n, seed=0)``): 8 math
+(4 GSM8K, 4 MATH-500), 8 code (HumanEval), 8 chat (MT-Bench first turns). Greedy, 128 new tokens. For every drafter
+given: DFlash chain tau and DDTree B=32 tau (tau counts the bonus token; mean committed tokens per round over all
+rounds of a group), per group and overall, plus decode seconds. ``--check-ar`` also runs plain decoding and counts the
+outputs that equal it exactly (do this in fp32: bf16 multi-token and one-token forwards round differently).
+Drafters are evaluated interleaved per prompt, so machine noise hits them alike. Writes JSON with ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+PROTOCOL = (("gsm8k", 4, "math"), ("math500", 4, "math"), ("humaneval", 8, "code"), ("mt-bench", 8, "chat"))
+
+
+def protocol_prompts(tokenizer) -> list[tuple[str, str, str, list[int]]]:
+    """[(group, dataset, sample_id, prompt ids)] of the fixed protocol."""
+    from .datasets import build_chat, select_items
+
+    out = []
+    for name, n, group in PROTOCOL:
+        for item in select_items(name, n, seed=0):
+            out.append((group, name, item.sample_id, build_chat(tokenizer, item.turns[:1])))
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m experiments.drafter_eval", description=__doc__.split("\n\n")[0])
+    p.add_argument("--draft", action="append", required=True, help="drafter folder (repeatable)")
+    p.add_argument("--label", action="append", help="a name per --draft (default: the folder)")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: the machine's (bf16 if native)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--budgets", default="chain,32", help="comma-separated: chain and/or node budgets")
+    p.add_argument("--limit", type=int, default=None, help="only the first N prompts (smoke runs)")
+    p.add_argument("--check-ar", action="store_true")
+    p.add_argument("--cast-inv-freq", action="store_true",
+                   help="reproduce the old behaviour: rotary frequencies cast to the model dtype (for comparisons)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    from dflash_core import autoregressive_generate, load_draft
+    from dflash_core.default import default_dtype, load_default_target, stop_token_ids
+    from ddtree import ddtree_generate
+
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(a.dtype) or default_dtype()
+    target, tokenizer = load_default_target(dtype)
+    stops = stop_token_ids(tokenizer)
+    labels = a.label or [Path(d).name for d in a.draft]
+    drafts = [load_draft(d, dtype=dtype) for d in a.draft]
+    if a.cast_inv_freq:
+        for d in drafts:
+            d.rotary.inv_freq = d.rotary.inv_freq.to(dtype)
+    budgets = [b if b == "chain" else int(b) for b in a.budgets.split(",")]
+    prompts = protocol_prompts(tokenizer)[: a.limit]
+    rows = []
+    t0 = time.perf_counter()
+    for group, name, sid, ids in prompts:
+        x = torch.tensor([ids])
+        ref = None
+        if a.check_ar:
+            ref = autoregressive_generate(target, x, a.max_new_tokens, stop_token_ids=stops).new_token_ids
+        for label, draft in zip(labels, drafts):
+            for budget in budgets:
+                res = ddtree_generate(target, draft, x, budget=budget, max_new_tokens=a.max_new_tokens,
+                                      stop_token_ids=stops)
+                rows.append({"group": group, "dataset": name, "sample_id": sid, "draft": label, "budget": budget,
+                             "rounds": len(res.acceptance_lengths), "tokens": sum(res.acceptance_lengths),
+                             "decode_s": res.timings.get("decode"),
+                             "matches_ar": None if ref is None else res.new_token_ids == ref})
+        print(f"[{time.perf_counter() - t0:.0f}s] {group}/{name}/{sid} done", flush=True)
+    summary = {}
+    for label in labels:
+        for budget in budgets:
+            key = f"{label} {budget}"
+            mine = [r for r in rows if r["draft"] == label and r["budget"] == budget]
+            entry = {}
+            for group in ("math", "code", "chat", "all"):
+                sel = [r for r in mine if group == "all" or r["group"] == group]
+                entry[group] = sum(r["tokens"] for r in sel) / max(1, sum(r["rounds"] for r in sel))
+            if a.check_ar:
+                entry["matches_ar"] = f"{sum(bool(r['matches_ar']) for r in mine)}/{len(mine)}"
+            summary[key] = entry
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown") if os.path.exists("/proc/cpuinfo") else "unknown"
+    result = {"summary": summary, "rows": rows, "dtype": str(dtype), "cpu": cpu, "threads": torch.get_num_threads(),
+              "max_new_tokens": a.max_new_tokens, "prompts": len(prompts), "cast_inv_freq": a.cast_inv_freq}
+    print(f"tau (greedy, {a.max_new_tokens} tokens, {len(prompts)} prompts, {dtype}, {cpu}):")
+    for key, entry in summary.items():
+        print(f"  {key:40s} " + "  ".join(f"{g} {v:.3f}" if isinstance(v, float) else f"{g} {v}"
+                                          for g, v in entry.items()))
+    if a.out:
+        tmp = Path(a.out).with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=1) + "\n")
+        tmp.replace(a.out)
+
+
+if __name__ == "__main__":
+    main()
