@@ -7,6 +7,14 @@ with plus the target's own next token. Policies:
 * ``budget="chain"`` -- the drafter's top-1 token per depth, i.e. exactly DFlash;
 * ``budget=<int>``  -- a fixed node budget per round (the DDTree paper's setting);
 * ``budget="auto"`` -- per-round budget chosen from a measured verify-cost curve (see :mod:`ddtree.budget`).
+
+Tree kinds (``tree=``), for a fixed budget:
+
+* ``"topk"``    -- (default) the deterministic best-first tree of the drafter's most probable prefixes, verified by
+  sample-and-match (at T > 0 the target samples at each node and the walk moves into the child with that token);
+* ``"sampled"`` -- children drawn without replacement from the drafter's distribution and verified by recursive
+  rejection sampling (:mod:`ddtree.sampled`); lossless at T > 0 and usually accepting more there. At T = 0 there is
+  nothing to sample, so ``tree="sampled"`` falls back to the top-K tree and the greedy walk.
 """
 
 from __future__ import annotations
@@ -18,9 +26,12 @@ import torch
 from dflash_core import Chain, GenerationResult, speculative_generate
 
 from .build import build_tree
+from .sampled import SampledTree
 from .tree import DraftTree
 
-__all__ = ["FixedBudget", "ddtree_generate", "make_policy"]
+__all__ = ["FixedBudget", "TREE_KINDS", "ddtree_generate", "make_policy"]
+
+TREE_KINDS = ("topk", "sampled")
 
 
 class FixedBudget:
@@ -38,8 +49,26 @@ class FixedBudget:
         return build_tree(draft_logits, self.budget)
 
 
-def make_policy(budget, target=None, draft=None, **auto_options):
-    """Turn a ``budget`` argument into a proposal policy for the decode loop."""
+def make_policy(budget, target=None, draft=None, tree: str = "topk", temperature: float = 0.0, seed: int = 0,
+                **auto_options):
+    """Turn ``budget`` and ``tree`` arguments into a proposal policy for the decode loop.
+
+    ``tree="sampled"`` needs an int budget; at ``temperature`` 0 it gives the top-K tree (nothing to sample). The
+    sampled tree draws from the drafter at the decoding temperature with a generator seeded by ``seed``. A drafter
+    with a reduced vocabulary exposes its target ids (``d2t`` or ``draft_vocab``, [V'] draft index -> target id);
+    they map the draft logits' columns when the loop hands over logits over those V' ids only (logits over the full
+    target vocabulary, -inf outside the subset, need no map: those tokens get q = 0).
+    """
+    if tree not in TREE_KINDS:
+        raise ValueError(f"unknown tree kind {tree!r}: use one of {TREE_KINDS}")
+    if tree == "sampled":
+        if isinstance(budget, bool) or not isinstance(budget, int):
+            raise ValueError(f"tree='sampled' needs an int budget >= 0, got {budget!r}")
+        if temperature > 0:
+            token_map = getattr(draft, "d2t", None)
+            if token_map is None:
+                token_map = getattr(draft, "draft_vocab", None)
+            return SampledTree(budget, temperature, seed=seed, token_map=token_map)
     if budget == "chain":
         return Chain()
     if budget == "auto":
@@ -63,13 +92,16 @@ def ddtree_generate(
     block_size: int | None = None,
     trace: bool = False,
     policy=None,
+    tree: str = "topk",
 ) -> GenerationResult:
     """Speculative decoding with a DDTree draft tree per round; the output is exactly the target's.
 
-    ``result.tree_sizes`` / ``result.expected_acceptance`` / ``result.acceptance_lengths`` give per-round tree size,
-    the drafter's expected and the actual committed tokens; ``trace=True`` keeps every round's tree in
-    ``result.trees``. ``policy`` overrides ``budget`` with any object implementing dflash_core's ProposalPolicy.
+    ``tree``: ``"topk"`` (default, deterministic best-first tree) or ``"sampled"`` (sampled children verified by
+    recursive rejection sampling; an int budget; at T = 0 the top-K tree and greedy walk). ``result.tree_sizes`` /
+    ``result.expected_acceptance`` / ``result.acceptance_lengths`` give per-round tree size, the drafter's expected
+    and the actual committed tokens; ``trace=True`` keeps every round's tree in ``result.trees``. ``policy``
+    overrides ``budget`` and ``tree`` with any object implementing dflash_core's ProposalPolicy.
     """
-    policy = policy or make_policy(budget, target, draft)
+    policy = policy or make_policy(budget, target, draft, tree=tree, temperature=temperature, seed=seed)
     return speculative_generate(target, draft, input_ids, policy, max_new_tokens, temperature, stop_token_ids, seed,
                                 block_size=block_size, trace=trace)

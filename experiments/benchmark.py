@@ -1,8 +1,9 @@
-"""The benchmark runner: ``python -m experiments.benchmark [--preset default|quick|paper|tiny] [overrides]``.
+"""The benchmark runner: ``python -m experiments.benchmark [--preset default|quick|sampling|paper|tiny] [overrides]``.
 
 For every (temperature, dataset, sample, turn) the runner generates with every method variant back to back on the
 same prompt: AR first (the reference for ``matches_ar`` and, for MT-Bench, the shared conversation history), then
-DFlash and the DDTree budgets in an order that rotates from turn to turn, so drift and noise hit all methods alike.
+DFlash and the DDTree variants (budgets; tree kinds top-K and sampled) in an order that rotates from turn to turn, so
+drift and noise hit all methods alike.
 Each variant gets one untimed warm-up generation before anything is timed.
 
 A run folder (``--out``, default ``runs/<preset>``) holds::
@@ -38,10 +39,12 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from experiments.datasets import BenchmarkItem, DatasetUnavailableError, build_chat, select_items
-from experiments.presets import BUDGET_POLICIES, DTYPES, PRESETS, ModelPair, Preset, get_preset, with_overrides
+from experiments.presets import (
+    BUDGET_POLICIES, DTYPES, PRESETS, TREE_KINDS, ModelPair, Preset, get_preset, with_overrides,
+)
 from experiments.schema import (
     EXTRA_TREE_SIZES, MANIFEST_FILENAME, RECORDS_FILENAME, Manifest, SampleRecord, append_record, method_label,
-    read_records, record_key,
+    read_records, record_key, tree_kind,
 )
 
 __all__ = ["Variant", "Models", "RankInfo", "load_models", "make_variants", "run_benchmark", "run_pair", "main"]
@@ -58,10 +61,15 @@ def log(message: str) -> None:
 # ---------------------------------------------------------------------------------------------------- method variants
 @dataclass(frozen=True)
 class Variant:
-    """One method as measured: ``ar``, ``dflash``, or ``ddtree`` with a node budget (int) or policy (``"auto"``)."""
+    """One method as measured: ``ar``, ``dflash``, or ``ddtree`` with a node budget (int) or policy (``"auto"``)
+    and a tree kind (``"topk"``, the default, or ``"sampled"``; None for AR and DFlash)."""
 
     method: str
     budget: int | str | None = None
+    tree: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tree", tree_kind(self.method, self.tree))
 
     @property
     def policy(self) -> str:
@@ -71,10 +79,10 @@ class Variant:
 
     @property
     def label(self) -> str:
-        return method_label(self.method, self.policy, self.budget)
+        return method_label(self.method, self.policy, self.budget, self.tree)
 
     def key(self, dataset: str, sample_id: str, turn: int, temperature: float) -> tuple:
-        return record_key(dataset, sample_id, turn, self.method, self.budget, temperature)
+        return record_key(dataset, sample_id, turn, self.method, self.budget, temperature, self.tree)
 
     def generate(self, models: "Models", input_ids: torch.Tensor, max_new_tokens: int, temperature: float,
                  seed: int):
@@ -88,7 +96,7 @@ class Variant:
             return dflash_generate(models.target, models.draft, input_ids, **args)
         from ddtree import ddtree_generate
 
-        return ddtree_generate(models.target, models.draft, input_ids, budget=self.budget, **args)
+        return ddtree_generate(models.target, models.draft, input_ids, budget=self.budget, tree=self.tree, **args)
 
 
 def budget_supported(budget: int | str) -> bool:
@@ -105,7 +113,8 @@ def budget_supported(budget: int | str) -> bool:
 
 
 def make_variants(preset: Preset) -> list[Variant]:
-    """The preset's method variants, AR first; optional budgets the installed ddtree lacks are left out."""
+    """The preset's method variants, AR first; optional budgets the installed ddtree lacks are left out. Each DDTree
+    budget is measured with every tree kind of the preset, the sampled tree at int budgets only."""
     variants = []
     for method in ("ar", "dflash", "ddtree"):
         if method not in preset.methods:
@@ -115,7 +124,8 @@ def make_variants(preset: Preset) -> list[Variant]:
             continue
         for budget in preset.budgets:
             if budget_supported(budget):
-                variants.append(Variant("ddtree", budget))
+                variants += [Variant("ddtree", budget, tree) for tree in preset.trees
+                             if tree == "topk" or isinstance(budget, int)]
             elif budget in preset.optional_budgets:
                 log(f"note: DDTree budget {budget!r} is not supported by the installed ddtree; skipped")
             else:
@@ -488,7 +498,7 @@ def _record(variant: Variant, conv: Conversation, turn: int, result, seed: int, 
         extra["expected_acceptance"] = [round(float(x), 4) for x in result.expected_acceptance]
     return SampleRecord(
         dataset=conv.item.dataset, sample_id=conv.item.sample_id, turn=turn, method=variant.method,
-        budget=variant.budget, policy=variant.policy, temperature=conv.temperature,
+        budget=variant.budget, policy=variant.policy, temperature=conv.temperature, tree=variant.tree,
         num_input_tokens=result.num_input_tokens, num_new_tokens=len(result.new_token_ids),
         prefill_s=float(timings.pop("prefill", 0.0)), decode_s=float(timings.pop("decode", 0.0)),
         acceptance_lengths=list(result.acceptance_lengths), stage_times={k: float(v) for k, v in timings.items()},
@@ -526,8 +536,8 @@ class Session:
         append_record(self.records_path, record)
         self.done[record.record_key()] = record
         self.progress.update(1)
-        self.progress.set_postfix_str(f"{record.dataset} {method_label(record.method, record.policy, record.budget)}"
-                                      f" τ={record.tau or 0:.2f}", refresh=False)
+        label = method_label(record.method, record.policy, record.budget, record.tree)
+        self.progress.set_postfix_str(f"{record.dataset} {label} τ={record.tau or 0:.2f}", refresh=False)
         if self.remaining is not None:
             self.remaining -= 1
             if self.remaining <= 0:
@@ -694,6 +704,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int)
     parser.add_argument("--methods", type=_csv(str), help="comma-separated subset of ar,dflash,ddtree")
     parser.add_argument("--budgets", type=_csv(_budget), help="DDTree budgets, e.g. 8,16,32,64,auto")
+    parser.add_argument("--trees", type=_csv(str),
+                        help=f"DDTree tree kinds, comma-separated subset of {','.join(TREE_KINDS)} (sampled: T > 0)")
     parser.add_argument("--temperatures", type=_csv(float), help="e.g. 0 or 0,1")
     parser.add_argument("--dtype", choices=DTYPES)
     parser.add_argument("--seed", type=int)
@@ -711,7 +723,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         preset = with_overrides(
             get_preset(args.preset), target=args.target, draft=args.draft, datasets=args.datasets,
             max_samples=args.max_samples, max_new_tokens=args.max_new_tokens, methods=args.methods,
-            budgets=args.budgets, temperatures=args.temperatures, dtype=args.dtype, seed=args.seed, device=args.device)
+            budgets=args.budgets, trees=args.trees, temperatures=args.temperatures, dtype=args.dtype, seed=args.seed,
+            device=args.device)
     except ValueError as err:
         print(f"benchmark: {err}", file=sys.stderr)
         return 2

@@ -4,6 +4,8 @@
   all six offline datasets, a few samples each, AR + DFlash + DDTree at budgets 4/8/16/32/64/128 (+ ``auto``), greedy.
   Sized so that ``bash run_benchmark.sh`` on a fresh clone, setup included, ends within 15 minutes.
 * ``quick``   -- a smoke test of the same path in well under 3 minutes.
+* ``sampling``-- the same pair at T = 1: the deterministic top-K tree (sample-and-match) next to the sampled tree
+  (recursive rejection sampling) at budgets 16 and 32, with AR and DFlash, on the six offline datasets; ~15 minutes.
 * ``paper``   -- the DDTree paper's grid on CUDA (Qwen3-4B/8B, Qwen3-Coder-30B-A3B with the z-lab drafters,
   10 datasets, budgets 16..1024, T in {0, 1}); launch with ``torchrun --nproc_per_node=<gpus>``.
 * ``tiny``    -- random tiny models built from configs (no files at all); what the tests run.
@@ -19,9 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from experiments.datasets import KNOWN_DATASETS, OFFLINE_DATASETS, canonical_name
-from experiments.schema import METHODS
+from experiments.schema import METHODS, TREE_KINDS
 
-__all__ = ["ModelPair", "Preset", "PRESETS", "DTYPES", "BUDGET_POLICIES", "get_preset", "with_overrides"]
+__all__ = ["ModelPair", "Preset", "PRESETS", "DTYPES", "BUDGET_POLICIES", "TREE_KINDS", "get_preset",
+           "with_overrides"]
 
 DTYPES = ("auto", "bf16", "fp16", "fp32", "fp64")
 BUDGET_POLICIES = ("auto",)  # string budgets the runner knows, besides integer node budgets
@@ -54,6 +57,7 @@ class ModelPair:
 class Preset:
     """Everything a benchmark run measures. ``budgets`` are DDTree node budgets (ints) or policies (``"auto"``);
     budgets listed in ``optional_budgets`` are dropped with a note when the installed ``ddtree`` lacks them.
+    ``trees``: DDTree tree kinds measured at every budget (``"sampled"`` at the int budgets only).
     ``samples_per_dataset`` overrides ``max_samples`` for single datasets; ``warmup_tokens`` is the length of the
     untimed warm-up generation each method variant gets before anything is timed."""
 
@@ -65,6 +69,7 @@ class Preset:
     max_new_tokens: int
     methods: tuple[str, ...] = ("ar", "dflash", "ddtree")
     budgets: tuple[int | str, ...] = (8, 16, 32, 64)
+    trees: tuple[str, ...] = ("topk",)
     temperatures: tuple[float, ...] = (0.0,)
     dtype: str = "auto"
     seed: int = 0
@@ -104,6 +109,10 @@ class Preset:
             out.append(f"repeated budgets in {list(self.budgets)}")
         if "ddtree" in self.methods and not self.budgets:
             out.append("method ddtree needs at least one budget")
+        if not self.trees or any(t not in TREE_KINDS for t in self.trees) or len(set(self.trees)) != len(self.trees):
+            out.append(f"trees must be distinct entries of {TREE_KINDS}, got {list(self.trees)}")
+        if "sampled" in self.trees and not any(isinstance(b, int) and not isinstance(b, bool) for b in self.budgets):
+            out.append("the sampled tree needs at least one int budget")
         if any(t < 0 for t in self.temperatures) or not self.temperatures:
             out.append(f"temperatures must be >= 0 (0 = greedy), got {list(self.temperatures)}")
         if self.dtype not in DTYPES:
@@ -190,7 +199,24 @@ TINY = Preset(
     warmup_tokens=4,
 )
 
-PRESETS: dict[str, Preset] = {p.name: p for p in (DEFAULT, QUICK, PAPER, TINY)}
+# T = 1 on the default pair: is a sampled tree (children drawn from the drafter, recursive rejection sampling) better
+# than the deterministic top-K tree (sample-and-match) at the same budget? Six variants (AR, DFlash, top-K and sampled
+# at B = 16 and 32) x 14 turns (6 datasets x 2 samples + 2 MT-Bench second turns) x 128 tokens = 84 generations. At
+# ~5-6 s each (FACTS §3 costs; at T = 1 acceptance is lower, so a little more than the default preset's ~5 s) that
+# is ~8 min of decoding; with setup, warm-up and the figures it fits the 15-minute budget of the default preset.
+SAMPLING = Preset(
+    name="sampling",
+    description="embedded SmolLM2-135M pair on CPU, T=1: top-K vs sampled trees at B=16/32, 6 datasets x 2 samples",
+    models=(_SMOLLM2,),
+    datasets=OFFLINE_DATASETS,
+    max_samples=2,
+    max_new_tokens=128,
+    budgets=(16, 32),
+    trees=("topk", "sampled"),
+    temperatures=(1.0,),
+)
+
+PRESETS: dict[str, Preset] = {p.name: p for p in (DEFAULT, QUICK, SAMPLING, PAPER, TINY)}
 
 
 def get_preset(name: str) -> Preset:

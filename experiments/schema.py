@@ -33,6 +33,9 @@ RECORDS_FILENAME = "records.jsonl"
 MANIFEST_FILENAME = "manifest.json"
 
 METHODS = ("ar", "dflash", "ddtree")
+# DDTree tree kinds: the deterministic top-K tree (sample-and-match) and the sampled tree (recursive rejection
+# sampling). Records written before the field existed carry tree=None, which means "topk" for DDTree.
+TREE_KINDS = ("topk", "sampled")
 # Conventional key in SampleRecord.extra: number of draft nodes verified in each round (tree policies).
 EXTRA_TREE_SIZES = "tree_sizes"
 
@@ -56,11 +59,22 @@ DATASET_LABELS = {
 DATASET_ORDER = tuple(DATASET_LABELS)
 
 
-def method_label(method: str, policy: str | None = None, budget: int | str | None = None) -> str:
-    """Human-readable name of one method variant, e.g. ``DDTree (B=32)`` or ``DDTree (auto)``."""
+def tree_kind(method: str, tree: str | None) -> str | None:
+    """The tree kind of a record: ``tree`` itself, "topk" for DDTree records without one, None for AR / DFlash."""
+    if method != "ddtree":
+        return None
+    return tree or "topk"
+
+
+def method_label(method: str, policy: str | None = None, budget: int | str | None = None,
+                 tree: str | None = None) -> str:
+    """Human-readable name of one method variant, e.g. ``DDTree (B=32)``, ``DDTree (auto)`` or, for the sampled
+    tree, ``DDTree sampled (B=32)``."""
     name = METHOD_LABELS.get(method, method)
     if method != "ddtree":
         return name
+    if tree_kind(method, tree) != "topk":
+        name = f"{name} {tree}"
     if isinstance(budget, int) and not isinstance(budget, bool):
         return f"{name} (B={budget})"
     if budget is not None:
@@ -99,7 +113,9 @@ class SampleRecord:
     such as ``"auto"`` (str), or None (AR, DFlash chain). ``decode_s`` is the wall time after prefill until the last
     token (prefill excluded); speedups compare ``decode_s / num_new_tokens``. ``acceptance_lengths``: tokens committed
     per round including the bonus token (AR: all ones). ``matches_ar``: at T = 0 whether the new tokens equal AR's,
-    None where not compared. ``extra``: free-form per-round details (e.g. ``extra["tree_sizes"]``).
+    None where not compared. ``tree``: DDTree's tree kind (``"topk"`` or ``"sampled"``, see ``TREE_KINDS``); None
+    for AR and DFlash, and in records written before the field existed (DDTree: top-K). ``extra``: free-form
+    per-round details (e.g. ``extra["tree_sizes"]``).
     """
 
     dataset: str
@@ -118,12 +134,15 @@ class SampleRecord:
     matches_ar: bool | None = None
     seed: int | None = None
     dtype: str | None = None
+    tree: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; expected one of {METHODS}")
+        if self.tree is not None and not isinstance(self.tree, str):
+            raise TypeError(f"tree must be a str or None, got {self.tree!r}")
         if hasattr(self.budget, "item") and not isinstance(self.budget, str):  # numpy / torch scalar
             self.budget = self.budget.item()
         if isinstance(self.budget, bool) or not (self.budget is None or isinstance(self.budget, (int, str))):
@@ -144,9 +163,16 @@ class SampleRecord:
         """Mean committed tokens per round of this sample (None when no rounds were recorded)."""
         return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else None
 
+    @property
+    def tree_kind(self) -> str | None:
+        """"topk" / "sampled" for DDTree (older records: "topk"), None for AR and DFlash."""
+        return tree_kind(self.method, self.tree)
+
     def record_key(self) -> tuple:
-        """Identity for resuming: (dataset, sample_id, turn, method, budget, temperature)."""
-        return record_key(self.dataset, self.sample_id, self.turn, self.method, self.budget, self.temperature)
+        """Identity for resuming: (dataset, sample_id, turn, method, budget, temperature), plus the tree kind
+        for trees other than top-K."""
+        return record_key(self.dataset, self.sample_id, self.turn, self.method, self.budget, self.temperature,
+                          self.tree)
 
     # -- serialization
     def to_dict(self) -> dict[str, Any]:
@@ -177,9 +203,12 @@ class SampleRecord:
 
 
 def record_key(dataset: str, sample_id: Any, turn: int, method: str, budget: int | str | None,
-               temperature: float) -> tuple:
-    """The resume key of a record that is about to be produced (same normalisation as SampleRecord)."""
-    return (dataset, str(sample_id), int(turn), method, budget, float(temperature))
+               temperature: float, tree: str | None = None) -> tuple:
+    """The resume key of a record that is about to be produced (same normalisation as SampleRecord). The tree kind
+    is appended only for trees other than top-K, so keys of older records stay what they were."""
+    key = (dataset, str(sample_id), int(turn), method, budget, float(temperature))
+    kind = tree_kind(method, tree)
+    return key if kind in (None, "topk") else key + (kind,)
 
 
 def append_record(path: str | os.PathLike, record: SampleRecord) -> None:

@@ -35,6 +35,10 @@ STYLE = {
 DATASET_PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
                    "#bcbd22", "#17becf")
 AR_LINE = {"color": "#555555", "linestyle": ":", "linewidth": 1.3}
+# Side-by-side tree kinds at the same budgets (speedup bars): top-K in purples, sampled in greens, by budget.
+TOPK_SHADES = ("#9467bd", "#c5b0d5", "#6a3d9a", "#b294c7", "#54278f")
+SAMPLED_SHADES = ("#2ca02c", "#98df8a", "#1a7a1a", "#74c476", "#006d2c")
+SAMPLED_LINE = {"linestyle": "-.", "marker": "^", "markersize": 5, "linewidth": 1.4}
 
 
 def temperature_tag(t: float) -> str:
@@ -69,6 +73,9 @@ def _speedup_series(stats: list[Stats], temperature: float,
     series: dict[str, dict[str, Stats]] = {}
     colors: dict[str, str] = {}
     extra_colors = iter([VARIANT_COLORS["other"], "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"])
+    # budgets that have a sampled tree: the top-K tree is drawn next to it at each of them
+    sampled_budgets = sorted({s.budget for d in datasets for s in find(stats, d, temperature, "ddtree")
+                              if s.is_sampled_tree})
 
     def add(label: str, dataset: str, s: Stats, color: str) -> None:
         if s.speedup is None:
@@ -85,6 +92,10 @@ def _speedup_series(stats: list[Stats], temperature: float,
         for s in find(stats, dataset, temperature, "ddtree"):
             if s.is_fixed_tree and s.budget == fixed_budget:
                 add(f"{s.label}, preset", dataset, s, VARIANT_COLORS["fixed"])
+            elif s.is_fixed_tree and s.budget in sampled_budgets:
+                add(s.label, dataset, s, TOPK_SHADES[sampled_budgets.index(s.budget) % len(TOPK_SHADES)])
+            elif s.is_sampled_tree:
+                add(s.label, dataset, s, SAMPLED_SHADES[sampled_budgets.index(s.budget) % len(SAMPLED_SHADES)])
             elif not s.is_fixed_tree:
                 color = colors.get(s.label) or VARIANT_COLORS.get(str(s.budget)) or VARIANT_COLORS.get(s.policy)
                 add(s.label, dataset, s, color or next(extra_colors, VARIANT_COLORS["other"]))
@@ -166,14 +177,17 @@ def plot_speedup(stats: list[Stats], temperature: float, out_dir: str | Path, *,
 def plot_budget_tradeoff(stats: list[Stats], temperature: float, out_dir: str | Path, *,
                          formats: Sequence[str] = ("png", "pdf"), subtitle: str | None = None) -> list[Path]:
     """Speedup and τ against the node budget (log2 axis), one line per dataset (plus their mean);
-    DFlash as dashed reference lines, budget policies such as ``auto`` as stars at their mean tree size."""
+    DFlash as dashed reference lines, sampled trees as dash-dot lines with triangles, budget policies such as
+    ``auto`` as stars at their mean tree size."""
     datasets = [d for d, t in groups_of(stats) if t == temperature]
     fixed = {d: sorted((s for s in find(stats, d, temperature, "ddtree") if s.is_fixed_tree), key=lambda s: s.budget)
              for d in datasets}
-    if not any(fixed.values()):
+    sampled = {d: sorted((s for s in find(stats, d, temperature, "ddtree") if s.is_sampled_tree),
+                         key=lambda s: s.budget) for d in datasets}
+    if not any(fixed.values()) and not any(sampled.values()):
         return []
     colors = {d: DATASET_PALETTE[i % len(DATASET_PALETTE)] for i, d in enumerate(datasets)}
-    budgets = sorted({s.budget for rows in fixed.values() for s in rows})
+    budgets = sorted({s.budget for by in (fixed, sampled) for rows in by.values() for s in rows})
     policy_without_size = False
 
     with matplotlib.rc_context(STYLE):
@@ -186,11 +200,15 @@ def plot_budget_tradeoff(stats: list[Stats], temperature: float, out_dir: str | 
                 if rows:
                     ax.plot([s.budget for s in rows], [getattr(s, metric) for s in rows], marker="o",
                             markersize=4, color=colors[d], linewidth=1.6)
+                rows = [s for s in sampled[d] if getattr(s, metric) is not None]
+                if rows:
+                    ax.plot([s.budget for s in rows], [getattr(s, metric) for s in rows], color=colors[d],
+                            **SAMPLED_LINE)
                 for s in find(stats, d, temperature, "dflash"):
                     if getattr(s, metric) is not None:
                         ax.axhline(getattr(s, metric), color=colors[d], linestyle="--", linewidth=1.0, alpha=0.8)
                 for s in find(stats, d, temperature, "ddtree"):
-                    if s.is_fixed_tree or getattr(s, metric) is None:
+                    if s.is_fixed_tree or s.is_sampled_tree or getattr(s, metric) is None:
                         continue
                     if s.mean_tree_size:
                         ax.plot([s.mean_tree_size], [getattr(s, metric)], marker="*", markersize=13,
@@ -227,7 +245,11 @@ def plot_budget_tradeoff(stats: list[Stats], temperature: float, out_dir: str | 
         handles += [Line2D([], [], color="gray", marker="o", markersize=4, linewidth=1.6),
                     Line2D([], [], color="gray", linestyle="--", linewidth=1.0)]
         labels += ["DDTree, fixed budget", "DFlash (chain)"]
-        if any(not s.is_fixed_tree for d in datasets for s in find(stats, d, temperature, "ddtree")):
+        if any(sampled.values()):
+            handles.append(Line2D([], [], color="gray", **SAMPLED_LINE))
+            labels.append("DDTree sampled tree, fixed budget")
+        if any(not (s.is_fixed_tree or s.is_sampled_tree)
+               for d in datasets for s in find(stats, d, temperature, "ddtree")):
             handles.append(Line2D([], [], color="gray", marker="*", markersize=12, markeredgecolor="black",
                                   linestyle="none"))
             labels.append("DDTree policy (e.g. auto) at its mean tree size")
@@ -244,7 +266,8 @@ def plot_budget_tradeoff(stats: list[Stats], temperature: float, out_dir: str | 
 
 
 def _histogram_variants(stats: list[Stats], dataset: str, temperature: float) -> list[tuple[Stats, str, str]]:
-    """(stats, legend label, colour) of DFlash and of DDTree at its best budget for one panel."""
+    """(stats, legend label, colour) of DFlash, of DDTree at its best budget and, when measured, of the best sampled
+    tree (by speedup, else by τ) for one panel."""
     chosen = [(s, f"{s.label} (τ = {s.tau:.2f})", METHOD_COLORS["dflash"])
               for s in find(stats, dataset, temperature, "dflash")[:1] if s.tau is not None]
     best = oracle_stats(stats, dataset, temperature)
@@ -255,6 +278,11 @@ def _histogram_variants(stats: list[Stats], dataset: str, temperature: float) ->
         if fixed:
             s = max(fixed, key=lambda s: s.tau)
             chosen.append((s, f"DDTree, B = {s.budget}, best τ (τ = {s.tau:.2f})", METHOD_COLORS["ddtree"]))
+    sampled = [s for s in find(stats, dataset, temperature, "ddtree") if s.is_sampled_tree and s.tau is not None]
+    if sampled:
+        timed = [s for s in sampled if s.speedup is not None]
+        s = max(timed, key=lambda s: s.speedup) if timed else max(sampled, key=lambda s: s.tau)
+        chosen.append((s, f"DDTree sampled, B = {s.budget} (τ = {s.tau:.2f})", SAMPLED_SHADES[0]))
     return chosen
 
 
@@ -276,7 +304,7 @@ def plot_acceptance_histograms(records: Sequence[SampleRecord], stats: list[Stat
             longest, highest = 1, 0.0
             for j, (s, label, color) in enumerate(variants):
                 lengths = [n for r in records if r.dataset == dataset and r.temperature == temperature
-                           and (r.method, r.policy, r.budget) == (s.method, s.policy, s.budget)
+                           and (r.method, r.policy, r.budget, r.tree_kind) == (s.method, s.policy, s.budget, s.tree)
                            for n in r.acceptance_lengths]
                 if not lengths:
                     continue

@@ -1,13 +1,14 @@
 """The one definition of speedup, τ and exact-match rate used by every figure and table.
 
-Per (dataset, temperature) and method variant (method, policy, budget):
+Per (dataset, temperature) and method variant (method, policy, budget, tree kind):
 
 - speedup = AR time per token ÷ variant time per token, token-weighted over the (sample, turn) pairs that both AR
   and the variant finished: ``(Σ ar.decode_s / Σ ar.num_new_tokens) / (Σ m.decode_s / Σ m.num_new_tokens)``;
   the spread is over per-sample speedups ``(ar.decode_s / ar.n) / (m.decode_s / m.n)`` (median, quartiles);
 - τ = Σ acceptance lengths ÷ number of rounds, over all rounds of all the variant's records;
 - exact-match rate = mean of ``matches_ar`` over the records where it is not None;
-- the oracle budget is the fixed DDTree budget with the highest speedup, chosen after the fact.
+- the oracle budget is the fixed DDTree budget with the highest speedup, chosen after the fact (among top-K trees;
+  sampled trees, ``tree="sampled"``, are shown next to the top-K tree at the same budgets, never as the oracle).
 """
 
 from __future__ import annotations
@@ -18,14 +19,25 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable
 
-from experiments.schema import EXTRA_TREE_SIZES, METHODS, SampleRecord, dataset_sort_key, method_label
+from experiments.schema import (
+    EXTRA_TREE_SIZES, METHODS, TREE_KINDS, SampleRecord, dataset_sort_key, method_label, tree_kind,
+)
 
 ORACLE_LABEL = "DDTree (oracle budget)"
 
 
-def is_fixed_tree(method: str, budget: int | str | None) -> bool:
-    """A DDTree variant with an integer node budget (a candidate for the oracle budget)."""
+def _int_budget(method: str, budget: int | str | None) -> bool:
     return method == "ddtree" and isinstance(budget, int) and not isinstance(budget, bool)
+
+
+def is_fixed_tree(method: str, budget: int | str | None, tree: str | None = None) -> bool:
+    """A top-K DDTree variant with an integer node budget (a candidate for the oracle budget)."""
+    return _int_budget(method, budget) and tree_kind(method, tree) == "topk"
+
+
+def is_sampled_tree(method: str, budget: int | str | None, tree: str | None = None) -> bool:
+    """A sampled-tree DDTree variant with an integer node budget."""
+    return _int_budget(method, budget) and tree_kind(method, tree) == "sampled"
 
 
 @dataclass(frozen=True)
@@ -53,17 +65,26 @@ class Stats:
     num_compared: int  # records with matches_ar not None
     mean_tree_size: float | None  # mean verified nodes per round, from extra["tree_sizes"] when recorded
     oracle: bool = False
+    tree: str | None = None  # DDTree tree kind ("topk", "sampled"); None for AR and DFlash
 
     @property
     def is_fixed_tree(self) -> bool:
-        return is_fixed_tree(self.method, self.budget)
+        """A top-K tree with an integer budget."""
+        return is_fixed_tree(self.method, self.budget, self.tree)
+
+    @property
+    def is_sampled_tree(self) -> bool:
+        return is_sampled_tree(self.method, self.budget, self.tree)
 
 
-def _variant_sort_key(method: str, policy: str, budget: int | str | None) -> tuple:
+def _variant_sort_key(method: str, policy: str, budget: int | str | None, tree: str | None = None) -> tuple:
+    """AR, DFlash, then DDTree by budget with the tree kinds of one budget side by side, then policies."""
     rank = METHODS.index(method) if method in METHODS else len(METHODS)
-    if is_fixed_tree(method, budget):
-        return (rank, 0, budget, "")
-    return (rank, 1, 0, f"{policy}:{budget}")
+    kind = tree_kind(method, tree)
+    kind_rank = TREE_KINDS.index(kind) if kind in TREE_KINDS else len(TREE_KINDS)
+    if _int_budget(method, budget):
+        return (rank, 0, budget, kind_rank, kind or "")
+    return (rank, 1, 0, kind_rank, f"{policy}:{budget}:{kind}")
 
 
 def _quartiles(values: list[float]) -> tuple[float, float, float] | tuple[None, None, None]:
@@ -80,23 +101,26 @@ def _sample_key(record: SampleRecord) -> tuple:
 
 
 def compute_stats(records: Iterable[SampleRecord]) -> list[Stats]:
-    """Stats of every variant present, sorted by dataset, temperature, then AR, DFlash, DDTree by budget."""
+    """Stats of every variant present, sorted by dataset, temperature, then AR, DFlash, DDTree by budget (top-K and
+    sampled trees of one budget next to each other)."""
     groups: dict[tuple, dict[tuple, list[SampleRecord]]] = defaultdict(lambda: defaultdict(list))
     for record in records:
-        groups[(record.dataset, record.temperature)][(record.method, record.policy, record.budget)].append(record)
+        variant = (record.method, record.policy, record.budget, record.tree_kind)
+        groups[(record.dataset, record.temperature)][variant].append(record)
 
     stats = []
     for (dataset, temperature), variants in groups.items():
         ar_by_sample = {_sample_key(r): r for variant, rs in variants.items() if variant[0] == "ar" for r in rs}
-        for (method, policy, budget), rs in variants.items():
-            stats.append(_variant_stats(dataset, temperature, method, policy, budget, rs, ar_by_sample))
+        for (method, policy, budget, tree), rs in variants.items():
+            stats.append(_variant_stats(dataset, temperature, method, policy, budget, rs, ar_by_sample, tree))
     stats.sort(key=lambda s: (dataset_sort_key(s.dataset), s.temperature,
-                              _variant_sort_key(s.method, s.policy, s.budget)))
+                              _variant_sort_key(s.method, s.policy, s.budget, s.tree)))
     return stats
 
 
 def _variant_stats(dataset: str, temperature: float, method: str, policy: str, budget: int | str | None,
-                   records: list[SampleRecord], ar_by_sample: dict[tuple, SampleRecord]) -> Stats:
+                   records: list[SampleRecord], ar_by_sample: dict[tuple, SampleRecord],
+                   tree: str | None = None) -> Stats:
     partners = ((ar_by_sample.get(_sample_key(r)), r) for r in records)
     pairs = [(a, m) for a, m in partners if a is not None and a.num_new_tokens > 0 and m.num_new_tokens > 0]
     speedup = None
@@ -118,12 +142,12 @@ def _variant_stats(dataset: str, temperature: float, method: str, policy: str, b
     sizes = [size for r in records for size in (r.extra.get(EXTRA_TREE_SIZES) or [])]
     return Stats(
         dataset=dataset, temperature=temperature, method=method, policy=policy, budget=budget,
-        label=method_label(method, policy, budget), num_records=len(records), num_paired=len(pairs),
+        label=method_label(method, policy, budget, tree), num_records=len(records), num_paired=len(pairs),
         num_new_tokens=tokens, decode_s=decode_s, time_per_token_s=decode_s / tokens if tokens else None,
         speedup=speedup, speedup_median=median, speedup_q25=q25, speedup_q75=q75,
         tau=accepted / rounds if rounds else None, num_rounds=rounds,
         exact_match=sum(compared) / len(compared) if compared else None, num_compared=len(compared),
-        mean_tree_size=sum(sizes) / len(sizes) if sizes else None,
+        mean_tree_size=sum(sizes) / len(sizes) if sizes else None, tree=tree,
     )
 
 
@@ -147,14 +171,17 @@ def oracle_stats(stats: Iterable[Stats], dataset: str, temperature: float) -> St
 
 def headline_stats(stats: list[Stats], fixed_budget: int | None = None) -> list[Stats]:
     """Per (dataset, temperature): AR, DFlash, DDTree at the oracle budget, every non-oracle DDTree policy
-    (a string budget such as ``auto``), and the preset ``fixed_budget`` when given."""
+    (a string budget such as ``auto``), the preset ``fixed_budget`` when given, and every sampled tree together
+    with the top-K tree at the same budget (the side-by-side comparison of the two tree kinds)."""
     rows = []
     for dataset, temperature in groups_of(stats):
         rows += find(stats, dataset, temperature, "ar") + find(stats, dataset, temperature, "dflash")
         oracle = oracle_stats(stats, dataset, temperature)
         if oracle is not None:
             rows.append(oracle)
-        for s in find(stats, dataset, temperature, "ddtree"):
-            if not s.is_fixed_tree or s.budget == fixed_budget:
+        trees = find(stats, dataset, temperature, "ddtree")
+        sampled_budgets = {s.budget for s in trees if s.is_sampled_tree}
+        for s in trees:
+            if not s.is_fixed_tree or s.budget == fixed_budget or s.budget in sampled_budgets:
                 rows.append(s)
     return rows

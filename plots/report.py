@@ -8,7 +8,7 @@ from typing import Sequence
 from plots.figures import plot_all
 from plots.load import Run, find_runs, merge_records
 from plots.metrics import compute_stats, headline_stats
-from plots.tables import FOOTNOTE, all_rows, latex_table, markdown_table
+from plots.tables import all_rows, footnote, latex_table, markdown_table
 
 
 def describe_runs(runs: list[Run]) -> str | None:
@@ -25,7 +25,8 @@ def describe_runs(runs: list[Run]) -> str | None:
 
 def make_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, formats: Sequence[str] = ("png", "pdf"),
                 fixed_budget: int | None = None) -> list[Path]:
-    """Write the figures (every format), ``results_table.{md,tex}`` (AR, DFlash, oracle budget, policies) and
+    """Write the figures (every format), ``results_table.{md,tex}`` (AR, DFlash, oracle budget, policies, sampled
+    trees next to top-K trees of the same budgets) and
     ``all_budgets.{md,tex}`` (every variant) for the runs under ``runs_dir``; returns the files written."""
     runs_dir = Path(runs_dir)
     out_dir = Path(out_dir) if out_dir is not None else runs_dir / "figures"
@@ -39,7 +40,7 @@ def make_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, form
     out_dir.mkdir(parents=True, exist_ok=True)
     for stem, rows in (("results_table", headline_stats(stats, fixed_budget)), ("all_budgets", all_rows(stats))):
         md = out_dir / f"{stem}.md"
-        md.write_text(markdown_table(rows) + "\n" + FOOTNOTE + "\n", encoding="utf-8")
+        md.write_text(markdown_table(rows) + "\n" + footnote(rows) + "\n", encoding="utf-8")
         tex = out_dir / f"{stem}.tex"
         tex.write_text(latex_table(rows), encoding="utf-8")
         paths += [md, tex]

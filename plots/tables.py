@@ -10,6 +10,13 @@ from plots.metrics import ORACLE_LABEL, Stats, compute_stats, groups_of, headlin
 _HEADER = ("Dataset", "T", "Method", "Speedup", "Per-sample median [IQR]", "τ", "Exact match", "n")
 FOOTNOTE = (f"Speedup = AR time per token ÷ method time per token (token-weighted over samples both finished); "
              f"τ = mean tokens committed per round; {ORACLE_LABEL} = best fixed budget chosen after the fact.")
+SAMPLED_NOTE = ("DDTree sampled = children drawn from the drafter's distribution and verified by recursive rejection "
+                "sampling; DDTree (B=…) = the deterministic top-K tree, verified by sample-and-match.")
+
+
+def footnote(rows: Iterable[Stats]) -> str:
+    """The table's footnote; it explains the sampled tree when the table shows one."""
+    return FOOTNOTE + (" " + SAMPLED_NOTE if any(s.is_sampled_tree for s in rows) else "")
 
 
 def _num(value: float | None, digits: int = 2, suffix: str = "") -> str:
@@ -62,12 +69,12 @@ def latex_table(rows: Iterable[Stats]) -> str:
 
 
 def all_rows(stats: list[Stats]) -> list[Stats]:
-    """Every variant, with the oracle row after the fixed budgets of its group."""
+    """Every variant, with the oracle row after the fixed budgets (and sampled trees) of its group."""
     rows = []
     for dataset, temperature in groups_of(stats):
         group = [s for s in stats if s.dataset == dataset and s.temperature == temperature]
         oracle = oracle_stats(stats, dataset, temperature)
-        fixed_end = max((i for i, s in enumerate(group) if s.is_fixed_tree), default=None)
+        fixed_end = max((i for i, s in enumerate(group) if s.is_fixed_tree or s.is_sampled_tree), default=None)
         for i, s in enumerate(group):
             rows.append(s)
             if oracle is not None and i == fixed_end:
@@ -85,4 +92,4 @@ def summary_table(records: Iterable[SampleRecord], *, all_budgets: bool = True,
     if not stats:
         return "(no records)\n"
     rows = all_rows(stats) if all_budgets else headline_stats(stats, fixed_budget)
-    return markdown_table(rows) + "\n" + FOOTNOTE + "\n"
+    return markdown_table(rows) + "\n" + footnote(rows) + "\n"
