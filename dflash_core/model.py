@@ -184,7 +184,7 @@ class DFlashDraftModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = Rotary(config.head_dim, config.rope_theta)
         if config.draft_vocab_size is not None:
-            # target token ids the drafter drafts over (ascending); saved with the weights as "draft_vocab"
+            # target token ids the drafter drafts over (most frequent first); saved with the weights as "draft_vocab"
             self.register_buffer("draft_vocab", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         else:
             self.draft_vocab = None
@@ -199,9 +199,14 @@ class DFlashDraftModel(nn.Module):
         return self.config.mask_token_id
 
     def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
-        """Give the drafter a reduced vocabulary: the target token ids it may draft (any order; stored ascending)."""
-        ids = torch.unique(torch.as_tensor(token_ids, dtype=torch.long).flatten())
-        if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= self.config.vocab_size:
+        """Give the drafter a reduced vocabulary: the target token ids it may draft.
+
+        Kept in the given order (by convention most frequent first, so ``draft_vocab[:n]`` is the best smaller
+        vocabulary); duplicates after their first occurrence are dropped.
+        """
+        raw = torch.as_tensor(token_ids, dtype=torch.long).flatten().tolist()
+        ids = torch.tensor(list(dict.fromkeys(raw)), dtype=torch.long)
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
             raise ValueError(f"draft vocabulary ids must lie in [0, {self.config.vocab_size}) and be non-empty")
         device = next(self.parameters()).device
         import dataclasses

@@ -43,6 +43,9 @@ def main(argv=None) -> None:
     p.add_argument("--check-ar", action="store_true")
     p.add_argument("--cast-inv-freq", action="store_true",
                    help="reproduce the old behaviour: rotary frequencies cast to the model dtype (for comparisons)")
+    p.add_argument("--vocab-sizes", default="",
+                   help="also evaluate each drafter with its draft vocabulary cut to these sizes (its most frequent "
+                        "tokens), e.g. 4096,8192; 'full' drops the draft vocabulary")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
@@ -55,8 +58,20 @@ def main(argv=None) -> None:
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(a.dtype) or default_dtype()
     target, tokenizer = load_default_target(dtype)
     stops = stop_token_ids(tokenizer)
-    labels = a.label or [Path(d).name for d in a.draft]
+    labels = list(a.label or [Path(d).name for d in a.draft])
     drafts = [load_draft(d, dtype=dtype) for d in a.draft]
+    for label, draft in list(zip(labels, drafts)):
+        for size in [v for v in a.vocab_sizes.split(",") if v]:
+            if draft.draft_vocab is None:
+                continue
+            copy = load_draft(a.draft[labels.index(label)], dtype=dtype)
+            if size == "full":
+                del copy._buffers["draft_vocab"]
+                copy.draft_vocab = None
+            else:
+                copy.set_draft_vocab(draft.draft_vocab[: int(size)])
+            labels.append(f"{label}@V{size}")
+            drafts.append(copy)
     if a.cast_inv_freq:
         for d in drafts:
             d.rotary.inv_freq = d.rotary.inv_freq.to(dtype)
@@ -75,7 +90,8 @@ def main(argv=None) -> None:
                                       stop_token_ids=stops)
                 rows.append({"group": group, "dataset": name, "sample_id": sid, "draft": label, "budget": budget,
                              "rounds": len(res.acceptance_lengths), "tokens": sum(res.acceptance_lengths),
-                             "decode_s": res.timings.get("decode"),
+                             "decode_s": res.timings.get("decode"), "draft_s": res.timings.get("draft"),
+                             "verify_s": res.timings.get("verify"),
                              "matches_ar": None if ref is None else res.new_token_ids == ref})
         print(f"[{time.perf_counter() - t0:.0f}s] {group}/{name}/{sid} done", flush=True)
     summary = {}
@@ -87,6 +103,9 @@ def main(argv=None) -> None:
             for group in ("math", "code", "chat", "all"):
                 sel = [r for r in mine if group == "all" or r["group"] == group]
                 entry[group] = sum(r["tokens"] for r in sel) / max(1, sum(r["rounds"] for r in sel))
+            rounds = max(1, sum(r["rounds"] for r in mine))
+            entry["draft_ms_per_round"] = 1000 * sum(r["draft_s"] or 0 for r in mine) / rounds
+            entry["decode_s"] = sum(r["decode_s"] or 0 for r in mine)
             if a.check_ar:
                 entry["matches_ar"] = f"{sum(bool(r['matches_ar']) for r in mine)}/{len(mine)}"
             summary[key] = entry

@@ -88,7 +88,7 @@ def load_corpus(folder: str | Path, tokenizer, seed: int = 0, exclude: Iterable[
 def build_draft_vocab(responses: Iterable[Sequence[int]], size: int, always: Iterable[int] = ()) -> torch.Tensor:
     """The ``size`` most frequent token ids of the target's own responses (ties: lower id first), plus ``always``.
 
-    Returned in frequency order (most frequent first); ``DFlashDraftModel.set_draft_vocab`` stores them ascending.
+    Returned in frequency order (most frequent first), the order ``DFlashDraftModel.set_draft_vocab`` keeps.
     """
     counts = Counter()
     for r in responses:
