@@ -343,7 +343,8 @@ def train(target, draft: DFlashDraftModel, sequences: list[tuple[torch.Tensor, i
     ``out`` holds ``checkpoint.pt`` (resumed when present) and ``best/`` (the best drafter by eval tau).
     ``stop_after`` ends this call after that many steps (checkpoint written), as an interruption would.
     ``feature_source(i)`` gives sequence i's target features when they were kept at generation time
-    (:mod:`dflash_core.training.shards`); without it one teacher-forced target pass per sequence computes them.
+    (:mod:`dflash_core.training.shards`); where it is absent or returns None, one teacher-forced target pass per
+    sequence computes them.
     """
     from tqdm import tqdm
 
@@ -381,7 +382,9 @@ def train(target, draft: DFlashDraftModel, sequences: list[tuple[torch.Tensor, i
 
     def features(i: int) -> SequenceFeatures:
         if feature_source is not None:
-            return feature_source(i)
+            f = feature_source(i)
+            if f is not None:
+                return f
         if i in cache:
             return cache[i]
         f = target_features(target, sequences[i][0], layer_ids, cfg.distill_topk if cfg.distill_weight > 0 else 0)

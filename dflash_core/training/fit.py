@@ -65,16 +65,17 @@ def main(argv=None) -> None:
     stops = stop_token_ids(tokenizer)
     corpora = [load_corpus(d, tokenizer, a.seed) for d in a.data]
     sequences, keys, sources, responses, sources_feats = [], [], [], [], []
-    for c in corpora:
-        if not c.has_features:
-            raise SystemExit(f"a shard folder holds shards without kept features; regenerate or use dflash_core.train")
+    for folder, c in zip(a.data, corpora):
+        if not c.has_features:  # e.g. the committed token shards: features come from a teacher-forced pass
+            log(f"data: some shards in {folder} keep no features; a teacher-forced target pass "
+                "computes them on first use")
         base = len(sequences)
         sequences += c.sequences
         keys += c.keys
         sources += c.sources
         responses += c.responses
         sources_feats += [(c, i) for i in range(len(c.sequences))]
-        log(f"data: {len(c.sequences)} sequences from {a.data[corpora.index(c)]} ({c.skipped} skipped), base {base}")
+        log(f"data: {len(c.sequences)} sequences from {folder} ({c.skipped} skipped), base {base}")
     # hold out a few samples, spread over sources, for the tau evaluation during training
     rng = random.Random(f"holdout:{a.seed}")
     by_source: dict[str, list[int]] = {}
@@ -109,7 +110,8 @@ def main(argv=None) -> None:
     cfg = TrainConfig(gamma=a.gamma, anchors=a.anchors, seqs_per_step=a.seqs_per_step, lr=a.lr,
                       warmup_frac=a.warmup_frac, steps=a.steps, max_len=a.max_len, distill_weight=a.distill_weight,
                       distill_topk=8, loss_vocab=loss_vocab, eval_every=a.eval_every, eval_prompts=a.eval_prompts,
-                      eval_new_tokens=64, seed=a.seed, cache_features=False,
+                      eval_new_tokens=64, seed=a.seed,
+                      cache_features=not all(c.has_features for c in corpora),  # keep recomputed features
                       time_budget_s=a.minutes * 60 if a.minutes else None)
     evaluate = tau_evaluator(target, tokenizer, eval_prompts, cfg.eval_new_tokens, stops) if eval_prompts else None
 
