@@ -92,7 +92,8 @@ def _cost_key(target, draft, device: torch.device, dtype: torch.dtype) -> str:
         "device": _device_name(device), "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "dtype": str(dtype), "model": getattr(cfg, "_name_or_path", ""), "type": cfg.model_type,
         "shape": [cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size, cfg.intermediate_size],
-        "draft": [draft.config.num_hidden_layers, draft.config.block_size] if draft is not None else None,
+        "draft": [draft.config.num_hidden_layers, draft.config.block_size,
+                  getattr(draft.config, "draft_vocab_size", None)] if draft is not None else None,
         "torch": torch.__version__,
     }
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,188 @@
+"""Where a speculative round's time goes: ``python -m experiments.profile_round``.
+
+For the embedded default pair (or ``--pair tiny``, a random tiny pair for smoke runs), greedy, on a few prompts of the
+fixed drafter protocol, interleaved per prompt: plain decoding, DFlash (chain) and DDTree at the given budgets. Per
+method: tau, milliseconds per round split into draft (drafter layers + its LM head), tree, verify and commit
+(follow + cache compaction), tokens/s, speedup over plain decoding, and the speed-of-light ratio
+
+    measured speedup / (tau * t_plain / (t_draft + t_verify(N)))
+
+with t_plain the plain step, t_draft the drafter pass and t_verify(N) the measured forward over the round's mean tree
+size: 1.0 means the loop adds nothing beyond the two forwards; below it, bookkeeping eats the gain. Also times the
+drafter's layers and its LM head separately, the verify cost curve, and Hugging Face ``generate()`` on the same prompts
+(our plain decoding must not be slower). Prints a table; ``--out`` writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def _load(pair: str, dtype_name: str):
+    from dflash_core.default import default_dtype, load_default_pair, stop_token_ids
+
+    if pair == "tiny":
+        from .benchmark import random_draft, tiny_target
+
+        target = tiny_target()
+        draft = random_draft(target, layers=1, taps=2, block_size=8)
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, target.config.vocab_size, (24,), generator=g).tolist() for _ in range(2)]
+        return target, draft, prompts, []
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(dtype_name) or default_dtype()
+    target, draft, tokenizer = load_default_pair(dtype)
+    from .drafter_eval import protocol_prompts
+
+    prompts = [ids for _, _, _, ids in protocol_prompts(tokenizer)]
+    return target, draft, prompts, stop_token_ids(tokenizer)
+
+
+@torch.inference_mode()
+def draft_split_ms(target, draft, context: int = 200, repeats: int = 7) -> dict:
+    """Median ms of one steady-state drafter pass: its layers (4 new context tokens + a block) and its LM head."""
+    from dflash_core import TargetAdapter
+    from dflash_core.model import DraftCache
+
+    from ddtree.budget import median_seconds
+
+    adapter = TargetAdapter(target, draft.config.target_layer_ids)
+    device, b = adapter.device, draft.block_size
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, adapter.vocab_size, (context + 4,), generator=g)
+    feats = adapter.forward(ids, torch.arange(context + 4), adapter.new_cache()).features
+    dtype = next(draft.parameters()).dtype
+    block = adapter.embed(torch.full((b,), draft.mask_token_id, device=device))[None].to(dtype)
+    cache = DraftCache()
+    draft(block, feats[None, :context], torch.arange(context, context + b), torch.arange(context), cache=cache)
+
+    def layers():
+        out = draft(block, feats[None, context:], torch.arange(context + 4, context + 4 + b),
+                    torch.arange(context, context + 4), cache=cache)
+        cache.crop(context)
+        return out
+
+    hidden = layers()
+    layers_s = median_seconds(layers, repeats, device)
+    head_s = median_seconds(lambda: adapter.lm_head(hidden[0, 1:], draft), repeats, device)
+    return {"layers_ms": 1000 * layers_s, "head_ms": 1000 * head_s,
+            "draft_vocab": getattr(draft.config, "draft_vocab_size", None)}
+
+
+def hf_generate_tps(target, prompts, max_new_tokens: int, stops) -> float:
+    """Tokens/s of Hugging Face greedy ``generate()`` over the prompts (batch 1 each)."""
+    total_tokens, total_s = 0, 0.0
+    for ids in prompts:
+        x = torch.tensor([ids])
+        t0 = time.perf_counter()
+        out = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
+                              eos_token_id=stops or None, pad_token_id=stops[0] if stops else 0)
+        total_s += time.perf_counter() - t0
+        total_tokens += out.shape[1] - x.shape[1]
+    return total_tokens / total_s
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m experiments.profile_round", description=__doc__.split("\n\n")[0])
+    p.add_argument("--pair", choices=["default", "tiny"], default="default")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
+    p.add_argument("--methods", default="ar,chain,4,8,16,32", help="ar, chain and node budgets, comma-separated")
+    p.add_argument("--prompts", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    from dflash_core import autoregressive_generate
+
+    from ddtree import ddtree_generate
+    from ddtree.budget import measure_cost_model
+
+    target, draft, prompts, stops = _load(a.pair, a.dtype)
+    prompts = prompts[: a.prompts]
+    methods = [m if m in ("ar", "chain") else int(m) for m in a.methods.split(",")]
+
+    def run(method, ids, n):
+        x = torch.tensor([ids])
+        if method == "ar":
+            return autoregressive_generate(target, x, n, stop_token_ids=stops)
+        return ddtree_generate(target, draft, x, budget=method, max_new_tokens=n, stop_token_ids=stops)
+
+    for m in methods:  # warm-up: every code path and shape once
+        run(m, prompts[0], 8)
+    acc = {m: {"tokens": 0, "rounds": 0, "nodes": 0, "decode": 0.0, "draft": 0.0, "tree": 0.0, "verify": 0.0,
+               "commit": 0.0} for m in methods}
+    for ids in prompts:
+        for m in methods:
+            res = run(m, ids, a.max_new_tokens)
+            t = res.timings
+            e = acc[m]
+            e["tokens"] += sum(res.acceptance_lengths)
+            e["rounds"] += len(res.acceptance_lengths)
+            e["nodes"] += sum(res.tree_sizes)
+            e["decode"] += t.get("decode", 0.0)
+            for stage in ("draft", "tree", "verify", "commit"):
+                e[stage] += t.get(stage, 0.0)
+    cost = measure_cost_model(target, draft, grid=(0, 1, 2, 4, 8, 16, 32, 64), context=200, use_cache=False)
+    split = draft_split_ms(target, draft)
+    hf_tps = hf_generate_tps(target, prompts, a.max_new_tokens, stops)
+    rows = {}
+    plain = acc["ar"] if "ar" in acc else None
+    t_plain = plain["decode"] / max(1, plain["rounds"]) if plain else float(cost.verify(0))
+    ar_tps = plain["tokens"] / plain["decode"] if plain else None
+    for m, e in acc.items():
+        rounds = max(1, e["rounds"])
+        tau = e["tokens"] / rounds
+        tps = e["tokens"] / max(e["decode"], 1e-9)
+        mean_nodes = e["nodes"] / rounds
+        t_draft = e["draft"] / rounds
+        ideal = tau * t_plain / (t_draft + float(cost.verify(mean_nodes))) if m != "ar" else 1.0
+        speedup = tps / ar_tps if ar_tps else None
+        rows[str(m)] = {"tau": tau, "ms_per_round": 1000 * e["decode"] / rounds,
+                        **{f"{s}_ms": 1000 * e[s] / rounds for s in ("draft", "tree", "verify", "commit")},
+                        "mean_nodes": mean_nodes, "tokens_per_s": tps, "speedup": speedup,
+                        "speed_of_light": None if speedup is None else speedup / ideal}
+    result = {"cpu": _cpu(), "dtype": str(target.dtype), "threads": torch.get_num_threads(), "pair": a.pair,
+              "prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "methods": rows,
+              "draft_split": split, "verify_curve_ms": {str(n): 1000 * v for n, v in zip(cost.nodes, cost.verify_s)},
+              "hf_generate_tokens_per_s": hf_tps, "ar_tokens_per_s": ar_tps}
+    print(f"round profile: {result['cpu']}, {result['dtype']}, {result['threads']} threads, {len(prompts)} prompts x "
+          f"{a.max_new_tokens} tokens, greedy")
+    print(f"{'method':>8} {'tau':>5} {'ms/round':>9} {'draft':>7} {'tree':>6} {'verify':>7} {'commit':>7} "
+          f"{'nodes':>6} {'tok/s':>7} {'speedup':>8} {'SoL':>5}")
+    for m, r in rows.items():
+        sp = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
+        sol = f"{r['speed_of_light']:.2f}" if r["speed_of_light"] is not None else "-"
+        print(f"{m:>8} {r['tau']:5.2f} {r['ms_per_round']:9.1f} {r['draft_ms']:7.1f} {r['tree_ms']:6.1f} "
+              f"{r['verify_ms']:7.1f} {r['commit_ms']:7.1f} {r['mean_nodes']:6.1f} {r['tokens_per_s']:7.1f} {sp:>8} "
+              f"{sol:>5}")
+    print(f"drafter pass: layers {split['layers_ms']:.1f} ms + LM head {split['head_ms']:.1f} ms "
+          f"(draft vocabulary: {split['draft_vocab'] or 'full'})")
+    print("verify cost (ms) by draft nodes: " + ", ".join(f"{n}: {v:.1f}" for n, v in result["verify_curve_ms"].items()))
+    if ar_tps:
+        print(f"plain decoding {ar_tps:.1f} tok/s vs Hugging Face generate() {hf_tps:.1f} tok/s "
+              f"({ar_tps / hf_tps:.2f}x)")
+    if a.out:
+        tmp = Path(a.out).with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=1) + "\n")
+        tmp.replace(a.out)
+
+
+if __name__ == "__main__":
+    main()
