@@ -3,9 +3,13 @@
 The best-first tree lists nodes in order of decreasing path probability, and every prefix of that order is itself a
 valid (prefix-closed) tree. Under the drafter's factorized surrogate, verifying the first N nodes commits on average
 ``1 + sum_{i<=N} p_i`` tokens (the bonus plus each node whose whole path is accepted) and costs
-``t_fixed + t_verify(N)`` seconds, where ``t_verify`` is the target's measured forward time over N+1 new tokens and
-``t_fixed`` the drafter pass plus per-round bookkeeping. ``AutoBudget`` builds the tree up to a cap once and keeps the
-prefix with the highest expected tokens per second.
+``t_fixed + t_verify(N)`` seconds. Both are measured as the decode loop spends them (:func:`measure_cost_model`):
+``t_verify(N)`` is everything in a round that grows with the tree (compiling ids, positions and the ancestor mask, the
+target's forward over N+1 tokens on a cache of the caller's context length, the walk, the cache compaction) and
+``t_fixed`` the rest (the drafter pass with its LM head, and the policy building its tree at the cap and choosing the
+prefix). ``AutoBudget`` builds the tree up to a cap once and keeps the prefix with the highest expected tokens per
+second. A GPU profile written by ``experiments.gpu_check`` can stand in for a measurement
+(:meth:`CostModel.from_profile`).
 
 The surrogate's probabilities are not the target's. With ``calibrate=True`` the policy fits an exponent beta online so
 that ``sum p_i ** beta`` over the verified nodes matches the draft tokens the target actually accepted in recent rounds
@@ -31,7 +35,19 @@ import torch
 from .build import build_tree
 from .tree import DraftTree
 
-__all__ = ["CostModel", "AutoBudget", "measure_cost_model", "median_seconds", "best_prefix", "truncate_tree"]
+__all__ = ["CostModel", "AutoBudget", "measure_cost_model", "median_seconds", "best_prefix", "truncate_tree",
+           "default_cap", "context_bucket"]
+
+
+def default_cap(device: torch.device) -> int:
+    """The largest tree ``auto`` builds per round: 1024 nodes on CUDA, 128 on a CPU."""
+    return 1024 if torch.device(device).type == "cuda" else 128
+
+
+def context_bucket(length: int) -> int:
+    """The context length a cost curve is measured at for a prompt of ``length`` tokens: the next power of two
+    (at least 64), so prompts of similar length share one measurement."""
+    return max(64, 1 << max(0, int(length) - 1).bit_length())
 
 
 # ---------------------------------------------------------------------------------------------------- cost model
@@ -44,9 +60,10 @@ class CostModel:
     """
 
     nodes: tuple[int, ...]  # measured tree sizes, increasing, starting at 0
-    verify_s: tuple[float, ...]  # median seconds of one target forward over N+1 tokens
-    fixed_s: float  # drafter pass + per-round overhead (seconds)
+    verify_s: tuple[float, ...]  # median seconds of the N-dependent part of a round (the target forward and more)
+    fixed_s: float  # drafter pass + tree building at the cap + per-round overhead (seconds)
     key: str = ""
+    context: int = 0  # tokens in the target's cache the curve was measured on (0 = unknown)
 
     def __post_init__(self) -> None:
         if len(self.nodes) != len(self.verify_s) or len(self.nodes) < 2:
@@ -71,7 +88,29 @@ class CostModel:
 
     @classmethod
     def from_json(cls, raw: dict) -> "CostModel":
-        return cls(tuple(raw["nodes"]), tuple(raw["verify_s"]), float(raw["fixed_s"]), raw.get("key", ""))
+        return cls(tuple(raw["nodes"]), tuple(raw["verify_s"]), float(raw["fixed_s"]), raw.get("key", ""),
+                   int(raw.get("context", 0)))
+
+    @classmethod
+    def from_profile(cls, profile: str | Path | dict, model: str | None = None,
+                     context: int | None = None) -> "CostModel":
+        """The curve of ``model`` (default: the profile's first) from a ``experiments.gpu_check`` profile, at the
+        measured context length nearest to ``context`` (by ratio; default: the longest measured)."""
+        raw = json.loads(Path(profile).read_text()) if not isinstance(profile, dict) else profile
+        models = raw.get("models") or {}
+        if not models:
+            raise ValueError("the profile holds no models")
+        name = model or next(iter(models))
+        if name not in models:
+            raise ValueError(f"model {name!r} is not in the profile (it has {', '.join(models)})")
+        curves = [c for c in models[name].get("cost_models") or [] if "verify_s" in c]
+        if not curves:
+            raise ValueError(f"the profile has no cost curve for {name!r} (its verify_cost step failed or was skipped)")
+        if context is None:
+            best = max(curves, key=lambda c: c.get("context", 0))
+        else:
+            best = min(curves, key=lambda c: abs(math.log(max(c.get("context", 1), 1) / max(context, 1))))
+        return cls.from_json(best)
 
 
 def _device_name(device: torch.device) -> str:
@@ -106,14 +145,15 @@ def _cost_cache_dir() -> Path:
 
 
 def median_seconds(fn, repeats: int, device: torch.device) -> float:
-    """Median seconds of ``fn()``: CUDA events on CUDA, perf_counter on CPU."""
+    """Median seconds of ``fn()``: CUDA events on ``device``'s current stream on CUDA, perf_counter on CPU."""
     times = []
     for _ in range(repeats):
         if device.type == "cuda":
+            stream = torch.cuda.current_stream(device)  # not the current GPU's: the model may run on another one
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            start.record(stream)
             fn()
-            end.record()
+            end.record(stream)
             torch.cuda.synchronize(device)
             times.append(start.elapsed_time(end) / 1000.0)
         else:
@@ -125,35 +165,54 @@ def median_seconds(fn, repeats: int, device: torch.device) -> float:
 
 @torch.inference_mode()
 def measure_cost_model(target, draft, grid: tuple[int, ...] | None = None, context: int = 256, repeats: int = 3,
-                       use_cache: bool = True) -> CostModel:
-    """Time the target's verify forward for N draft nodes (plus the root) on top of a ``context``-token cache, and
-    the drafter's pass; cached per (device, model, dtype) under ``$XDG_CACHE_HOME/ddtree/costs``."""
+                       use_cache: bool = True, cap: int | None = None) -> CostModel:
+    """Time one decoding round as the loop spends it, for N draft nodes on top of a ``context``-token target cache.
+
+    ``verify_s(N)``: compiling root + N nodes (ids, positions, ancestor mask), the target forward over them with the
+    drafter's taps, the walk, compacting the cache to an accepted path and gathering the next context features.
+    ``fixed_s``: the drafter pass with its LM head and the policy itself (best-first tree at ``cap`` nodes, the size
+    ``auto`` really builds, then the choice of prefix). Cached per (device, model, dtype, context, cap) under
+    ``$XDG_CACHE_HOME/ddtree/costs``.
+    """
     from dflash_core import TargetAdapter
+    from dflash_core.decoding import compile_proposal, verify_walk
     from dflash_core.model import DraftCache
 
     adapter = TargetAdapter(target, draft.config.target_layer_ids if draft is not None else ())
     device, dtype = adapter.device, adapter.dtype
+    cap = default_cap(device) if cap is None else cap
     if grid is None:
         grid = (0, 1, 2, 4, 8, 16, 32, 48, 64, 96, 128) + ((192, 256, 384, 512, 768, 1024) if device.type == "cuda" else ())
     key = _cost_key(target, draft, device, dtype)
-    path = _cost_cache_dir() / f"{key}.json"
+    path = _cost_cache_dir() / f"{key}-ctx{context}-cap{cap}.json"
     if use_cache and path.is_file():
         model = CostModel.from_json(json.loads(path.read_text()))
         if tuple(model.nodes) == tuple(grid):
             return model
     vocab = adapter.vocab_size
+    rows = max(draft.block_size - 1 if draft is not None else 15, 1)
     gen = torch.Generator().manual_seed(0)
     cache = adapter.new_cache()
     adapter.forward(torch.randint(0, vocab, (context,), generator=gen), torch.arange(context), cache)
     verify = []
     for n in grid:
-        tree = build_tree(torch.randn(max(draft.block_size - 1 if draft is not None else 15, 1), vocab, generator=gen) * 3, n)
-        ids = torch.randint(0, vocab, (len(tree) + 1,), generator=gen)
-        pos = context + torch.cat([torch.zeros(1, dtype=torch.long), tree.depths])
-        vis = tree.visibility() if len(tree) else None
+        # the tree the policy verifies: a prefix of the best-first tree built at the cap
+        tree = truncate_tree(build_tree(torch.randn(rows, vocab, generator=gen) * 3, max(cap, n)), n)
+        root = int(torch.randint(0, vocab, (1,), generator=gen))
+        deepest = int(tree.depths.argmax()) if len(tree) else -1
+        path_nodes = []
+        while deepest >= 0:  # an accepted path that is not a prefix, so compaction really gathers
+            path_nodes.append(deepest)
+            deepest = int(tree.parents[deepest])
+        keep = torch.tensor([0] + [i + 1 for i in reversed(path_nodes)], dtype=torch.long)
 
         def run():
-            adapter.forward(ids, pos, cache, visibility=vis)
+            ids, pos, vis = compile_proposal(tree, root, context)
+            out = adapter.forward(ids, pos, cache, visibility=vis, with_features=draft is not None)
+            verify_walk(tree, out.logits, 0.0, None)
+            adapter.compact(cache, context, keep)
+            if out.features is not None:
+                out.features[keep.to(device)]  # the drafter's next context
             adapter.crop(cache, context)
 
         run()  # warm-up for this shape
@@ -163,18 +222,22 @@ def measure_cost_model(target, draft, grid: tuple[int, ...] | None = None, conte
         b = draft.block_size
         feats = adapter.forward(torch.randint(0, vocab, (context,), generator=gen), torch.arange(context),
                                 adapter.new_cache()).features
+        draft_param = next(draft.parameters())
+        policy = AutoBudget(CostModel((0, 1), (1.0, 1.0), 0.0), cap=cap, calibrate=False)  # any curve: timed, not used
+        new = min(16, context)  # a round adds the accepted tokens' features to the drafter's cache
 
-        def draft_pass():
+        def draft_round():
             dcache = DraftCache()
-            block = adapter.embed(torch.randint(0, vocab, (b,), generator=gen).to(device))[None]
-            hidden = draft(block.to(next(draft.parameters()).dtype), feats[None][:, -16:], torch.arange(context, context + b),
-                           torch.arange(context - 16, context), cache=dcache)
-            logits = adapter.lm_head(hidden[0, 1:], draft)
-            build_tree(logits, 32)
+            block = adapter.embed(torch.randint(0, vocab, (b,), generator=gen))[None]
+            where = draft_param.device
+            hidden = draft(block.to(where, draft_param.dtype), feats[None][:, -new:].to(where),
+                           torch.arange(context, context + b, device=where),
+                           torch.arange(context - new, context, device=where), cache=dcache)
+            policy.propose(adapter.lm_head(hidden[0, 1:], draft), [])
 
-        draft_pass()
-        fixed = median_seconds(draft_pass, repeats, device)
-    model = CostModel(tuple(grid), tuple(verify), fixed, key)
+        draft_round()
+        fixed = median_seconds(draft_round, repeats, device)
+    model = CostModel(tuple(grid), tuple(verify), fixed, key, context)
     if use_cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -212,11 +275,17 @@ class AutoBudget:
         self.chosen: list[int] = []  # tree size picked each round (for studies)
 
     @classmethod
-    def for_models(cls, target, draft, cap: int | None = None, calibrate: bool = True,
-                   cost: CostModel | None = None) -> "AutoBudget":
-        device = target.lm_head.weight.device
-        cap = cap if cap is not None else (1024 if device.type == "cuda" else 128)
-        return cls(cost or measure_cost_model(target, draft), cap=cap, calibrate=calibrate)
+    def for_models(cls, target, draft, cap: int | None = None, calibrate: bool = True, cost: CostModel | None = None,
+                   context: int | None = None, profile: str | Path | None = None) -> "AutoBudget":
+        """The policy with the cost curve of ``target`` + ``draft`` on this machine: ``cost`` if given, else the
+        curve of a GPU ``profile`` (``experiments.gpu_check``), else measured (once, then cached) on a cache of
+        ``context_bucket(context)`` tokens (``context``: the prompt length; default 256)."""
+        cap = cap if cap is not None else default_cap(target.lm_head.weight.device)
+        if cost is None and profile is not None:
+            cost = CostModel.from_profile(profile, context=context)
+        if cost is None:
+            cost = measure_cost_model(target, draft, context=context_bucket(context) if context else 256, cap=cap)
+        return cls(cost, cap=cap, calibrate=calibrate)
 
     def observe(self, accepted_draft_tokens: int) -> None:
         """Feed back how many draft tokens the target accepted in the round just verified."""

@@ -24,6 +24,7 @@ from typing import Sequence
 import torch
 
 from dflash_core import Chain, GenerationResult, speculative_generate
+from dflash_core.target import check_tree_attention
 
 from .build import build_tree
 from .sampled import SampledTree
@@ -100,8 +101,16 @@ def ddtree_generate(
     recursive rejection sampling; an int budget; at T = 0 the top-K tree and greedy walk). ``result.tree_sizes`` /
     ``result.expected_acceptance`` / ``result.acceptance_lengths`` give per-round tree size, the drafter's expected
     and the actual committed tokens; ``trace=True`` keeps every round's tree in ``result.trees``. ``policy``
-    overrides ``budget`` and ``tree`` with any object implementing dflash_core's ProposalPolicy.
+    overrides ``budget`` and ``tree`` with any object implementing dflash_core's ProposalPolicy. ``budget="auto"``
+    measures its cost curve at the prompt's length (rounded up to a power of two; cached per machine and model).
+    Trees need a target whose attention backend applies a 4D mask (SDPA, eager, flex): anything else raises
+    ``IncompatibleModelError``; ``budget="chain"`` runs on any backend.
     """
-    policy = policy or make_policy(budget, target, draft, tree=tree, temperature=temperature, seed=seed)
+    if not isinstance(policy, Chain) and (policy is not None or budget != "chain"):
+        check_tree_attention(target)  # before any work: a tree needs a backend that applies the 4D mask
+    if policy is None:
+        context = int(input_ids.shape[-1]) if isinstance(input_ids, torch.Tensor) else None
+        policy = make_policy(budget, target, draft, tree=tree, temperature=temperature, seed=seed,
+                             **({"context": context} if budget == "auto" else {}))
     return speculative_generate(target, draft, input_ids, policy, max_new_tokens, temperature, stop_token_ids, seed,
                                 block_size=block_size, trace=trace)

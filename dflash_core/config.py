@@ -3,6 +3,14 @@
 A DFlash checkpoint is a Hugging Face folder whose ``config.json`` is a Qwen3 config plus three DFlash fields:
 top-level ``block_size`` and ``num_target_layers``, and ``dflash_config: {"mask_token_id", "target_layer_ids"}``.
 Fields this module does not model are kept in ``extra`` so a load/save round trip preserves them.
+
+Every shape the published checkpoints use is read the way z-lab's own loader reads it: ``block_size``,
+``mask_token_id`` and ``target_layer_ids`` are looked up in ``dflash_config`` first and at the top level second; rotary
+settings come from ``rope_theta`` + ``rope_scaling`` (transformers 4.x) or ``rope_parameters`` (5.x), with the
+``linear``, ``llama3`` and ``yarn`` scalings implemented; ``layer_types`` / ``sliding_window`` / ``is_causal`` select
+per-layer sliding-window or causal attention. Anything that would change the drafter's outputs and is not
+implemented (DFlash2's convolutions and candidate selector, logit multipliers or soft-capping, other rope scalings,
+partial rotary) is refused with a message naming the field: a checkpoint is never loaded with a setting ignored.
 """
 
 from __future__ import annotations
@@ -13,7 +21,61 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DFlashConfig", "build_target_layer_ids"]
+__all__ = ["DFlashConfig", "build_target_layer_ids", "rope_settings", "target_rope"]
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+DEFAULT_ROPE_THETA = 10_000.0  # what transformers' Qwen3Config / LlamaConfig assume when a config names no theta
+
+# z-lab features that change what a drafter computes and that DFlashDraftModel does not implement
+_DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+_NEUTRAL_VALUES = {"output_multiplier": 1.0, "input_embedding_scale": 1.0, "final_logit_softcapping": None}
+
+
+def rope_settings(raw: dict[str, Any]) -> tuple[float | None, dict[str, Any] | None]:
+    """(theta, scaling) from the rotary fields of a config dictionary, in either transformers format.
+
+    transformers 4.x writes ``rope_theta`` plus ``rope_scaling`` (``{"rope_type" or "type": ..., "factor": ...}`` or
+    null); 5.x writes ``rope_parameters = {"rope_type", "rope_theta", ...}`` and no ``rope_theta``. ``scaling`` is None
+    for plain rotary, else a dictionary with ``rope_type`` in ``linear``, ``llama3``, ``yarn`` and its parameters;
+    theta is None when the config names none. Unsupported types raise ValueError.
+    """
+    params = dict(raw.get("rope_parameters") or {})
+    if params and all(isinstance(v, dict) for v in params.values()):  # per layer type (gemma-style)
+        distinct = {json.dumps(v, sort_keys=True) for v in params.values()}
+        if len(distinct) > 1:
+            raise ValueError("rope_parameters differ per layer type; DFlashDraftModel uses one rotary for all layers")
+        params = dict(next(iter(params.values())))
+    merged = {**params, **dict(raw.get("rope_scaling") or {})}
+    inner_theta = merged.pop("rope_theta", None)
+    theta = raw.get("rope_theta") if raw.get("rope_theta") is not None else inner_theta
+    rope_type = merged.pop("rope_type", None) or merged.pop("type", None) or "default"
+    merged.pop("type", None)
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope scaling of type {rope_type!r} is not supported by DFlashDraftModel "
+                         f"(supported: {', '.join(ROPE_TYPES)})")
+    partial = merged.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"partial_rotary_factor={partial} is not supported by DFlashDraftModel (only 1.0)")
+    if rope_type == "default":
+        return (None if theta is None else float(theta)), None
+    needed = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                                 "original_max_position_embeddings"),
+              "yarn": ("original_max_position_embeddings",)}[rope_type]
+    missing = [k for k in needed if merged.get(k) is None]
+    if missing:
+        raise ValueError(f"rope scaling {rope_type!r} needs {missing} in rope_scaling / rope_parameters")
+    return (None if theta is None else float(theta)), {"rope_type": rope_type, **merged}
+
+
+def target_rope(target_config) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) of a Hugging Face target config object, in either transformers format (4.x or 5.x)."""
+    raw = {k: getattr(target_config, k, None) for k in ("rope_theta", "rope_scaling", "rope_parameters",
+                                                         "partial_rotary_factor")}
+    theta, scaling = rope_settings({k: v for k, v in raw.items() if v is not None})
+    if theta is None:
+        theta = float(getattr(target_config, "default_theta", None) or DEFAULT_ROPE_THETA)
+    return theta, scaling
 
 
 def build_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
@@ -50,6 +112,10 @@ class DFlashConfig:
     max_position_embeddings: int = 40960
     attention_bias: bool = False
     draft_vocab_size: int | None = None  # reduced draft vocabulary (ids in the weights as "draft_vocab"); None = full
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)  # None = plain rotary; see rope_settings
+    layer_types: tuple[str, ...] | None = None  # per layer "full_attention" / "sliding_attention"; None = all full
+    sliding_window: int | None = None  # keys further than this from a query are hidden in sliding layers
+    is_causal: bool | None = None  # z-lab's switch: None = causal in sliding layers only, bidirectional elsewhere
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -63,6 +129,28 @@ class DFlashConfig:
             raise ValueError(f"block_size must be >= 2 (one root plus at least one drafted position), got {self.block_size}")
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids is empty: a DFlash drafter needs at least one tapped target layer")
+        if self.layer_types is not None:
+            types = tuple(str(t) for t in self.layer_types)
+            unknown = sorted(set(types) - set(LAYER_TYPES))
+            if unknown:
+                raise ValueError(f"layer type(s) {unknown} are not supported by DFlashDraftModel "
+                                 f"(supported: {', '.join(LAYER_TYPES)})")
+            if len(types) != self.num_hidden_layers:
+                raise ValueError(f"layer_types has {len(types)} entries for {self.num_hidden_layers} layers")
+            if "sliding_attention" in types and not self.sliding_window:
+                raise ValueError("sliding_attention layers need a positive sliding_window")
+            object.__setattr__(self, "layer_types", None if set(types) == {"full_attention"} else types)
+        if self.layer_types is None:
+            object.__setattr__(self, "sliding_window", None)  # only meaningful with sliding layers
+        if self.rope_scaling is not None:  # validated; {"rope_type": "default"} becomes None
+            object.__setattr__(self, "rope_scaling", rope_settings({"rope_scaling": self.rope_scaling})[1])
+
+    def layer_attention(self, index: int) -> tuple[bool, int | None]:
+        """(causal, sliding window or None) of layer ``index``, with z-lab's defaults: sliding layers are causal
+        unless ``is_causal`` says otherwise; full layers are bidirectional unless ``is_causal`` is true."""
+        sliding = self.layer_types is not None and self.layer_types[index] == "sliding_attention"
+        causal = sliding if self.is_causal is None else bool(self.is_causal)
+        return causal, (self.sliding_window if sliding else None)
 
     @property
     def num_taps(self) -> int:
@@ -84,7 +172,7 @@ class DFlashConfig:
             vocab_size=self.vocab_size,
             rms_norm_eps=self.rms_norm_eps,
             rope_theta=self.rope_theta,
-            rope_scaling=None,
+            rope_scaling=dict(self.rope_scaling) if self.rope_scaling else None,
             max_position_embeddings=self.max_position_embeddings,
             attention_bias=self.attention_bias,
             hidden_act="silu",
@@ -94,9 +182,11 @@ class DFlashConfig:
         )
         if self.draft_vocab_size is not None:
             out["draft_vocab_size"] = self.draft_vocab_size
-        out.setdefault("layer_types", ["full_attention"] * self.num_hidden_layers)
-        out.setdefault("sliding_window", None)
-        out.setdefault("use_sliding_window", False)
+        out["layer_types"] = list(self.layer_types or ["full_attention"] * self.num_hidden_layers)
+        out["sliding_window"] = self.sliding_window
+        out["use_sliding_window"] = self.layer_types is not None
+        if self.is_causal is not None:
+            out["is_causal"] = self.is_causal
         out.setdefault("tie_word_embeddings", False)
         return out
 
@@ -104,20 +194,34 @@ class DFlashConfig:
     def from_dict(cls, raw: dict[str, Any]) -> "DFlashConfig":
         """Parse a z-lab ``config.json`` dictionary; errors name the missing or unsupported field."""
         raw = dict(raw)
-        dflash = raw.pop("dflash_config", None)
-        if not isinstance(dflash, dict) or "mask_token_id" not in dflash:
+        dflash = dict(raw.pop("dflash_config", None) or {})
+        architectures = raw.get("architectures") or []
+        if "DFlash2DraftModel" in architectures or any(k in dflash for k in _DFLASH2_FIELDS):
+            raise ValueError("this is a DFlash2 drafter (dynamic convolutions and a candidate selector), which "
+                             "DFlashDraftModel does not implement; use a DFlash (v1) checkpoint")
+        for name, neutral in _NEUTRAL_VALUES.items():
+            value = dflash.get(name, raw.get(name, neutral))
+            if value != neutral:
+                raise ValueError(f"{name}={value} is not supported by DFlashDraftModel (it would be ignored and change "
+                                 "the drafter's outputs)")
+            raw.pop(name, None)
+
+        def lookup(name: str, default: Any = None) -> Any:  # z-lab's order: dflash_config first, then top level
+            top = raw.pop(name, None)
+            return dflash.get(name, top if top is not None else default)
+
+        mask_token_id = lookup("mask_token_id")
+        if mask_token_id is None:
             raise ValueError(
-                "config.json has no 'dflash_config' with a 'mask_token_id': this is not a DFlash drafter checkpoint "
-                "(expected {'dflash_config': {'mask_token_id': int, 'target_layer_ids': [...]}, 'block_size': ..., ...})"
+                "config.json has no 'dflash_config' with a 'mask_token_id' (nor a top-level one): this is not a DFlash "
+                "drafter checkpoint (expected {'dflash_config': {'mask_token_id': int, 'target_layer_ids': [...]}, "
+                "'block_size': ..., ...})"
             )
-        rope_theta = raw.pop("rope_theta", None)
-        rope_params = raw.pop("rope_parameters", None) or {}
-        rope_scaling = raw.pop("rope_scaling", None) or {}
-        rope_type = rope_scaling.get("rope_type", rope_scaling.get("type")) or rope_params.get("rope_type", "default")
-        if rope_type != "default":
-            raise ValueError(f"rope scaling of type {rope_type!r} is not supported by DFlashDraftModel (only 'default')")
-        if rope_theta is None:
-            rope_theta = rope_params.get("rope_theta", 1_000_000.0)
+        block_size = lookup("block_size", 16)
+        layer_ids = lookup("target_layer_ids")
+        rope_theta, rope_scaling = rope_settings(raw)
+        for key in ("rope_theta", "rope_parameters", "rope_scaling", "partial_rotary_factor"):
+            raw.pop(key, None)
         missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
                    if k not in raw]
         if missing:
@@ -125,13 +229,18 @@ class DFlashConfig:
         heads = raw.pop("num_attention_heads")
         hidden = raw.pop("hidden_size")
         num_target_layers = raw.pop("num_target_layers", None)
-        layer_ids = dflash.get("target_layer_ids")
         if layer_ids is None:
             if num_target_layers is None:
                 raise ValueError("config.json needs dflash_config.target_layer_ids or num_target_layers")
             layer_ids = build_target_layer_ids(num_target_layers, raw.get("num_hidden_layers"))
         if num_target_layers is None:
             num_target_layers = max(layer_ids) + 3  # the spread rule ends at layer L-3
+        # attention per layer: explicit layer_types, or Qwen2/3's use_sliding_window + max_window_layers rule
+        layer_types = raw.pop("layer_types", None)
+        use_sliding = bool(raw.pop("use_sliding_window", False))
+        if layer_types is None and use_sliding:
+            first = raw.get("max_window_layers", 0) or 0
+            layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(raw["num_hidden_layers"])]
         known = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: raw.pop(k) for k in list(raw) if k in known and k != "extra"}
         for dropped in ("architectures", "model_type", "hidden_act"):
@@ -142,9 +251,12 @@ class DFlashConfig:
             num_key_value_heads=kwargs.pop("num_key_value_heads", heads),
             head_dim=kwargs.pop("head_dim", None) or hidden // heads,
             target_layer_ids=tuple(layer_ids),
-            mask_token_id=int(dflash["mask_token_id"]),
+            mask_token_id=int(mask_token_id),
             num_target_layers=int(num_target_layers),
-            rope_theta=float(rope_theta),
+            block_size=int(block_size),
+            rope_theta=DEFAULT_ROPE_THETA if rope_theta is None else float(rope_theta),
+            rope_scaling=rope_scaling,
+            layer_types=None if layer_types is None else tuple(layer_types),
             extra=raw,
             **kwargs,
         )

@@ -217,6 +217,7 @@ def speculative_generate(
             raise ValueError(f"policy {policy.name!r} needs a drafter; pass draft=...")
         check_compatibility(target, draft)
     adapter = TargetAdapter(target, draft.config.target_layer_ids if policy.uses_draft else ())
+    adapter.check_token_ids(input_ids)
     device = adapter.device
     b = block_size or (draft.block_size if policy.uses_draft else 1)
     if policy.uses_draft and not 2 <= b:
@@ -243,7 +244,8 @@ def speculative_generate(
     history = input_ids[0].tolist() + [root]
     done = root in stops or max_new_tokens <= 1
     if policy.uses_draft:
-        draft_dtype = next(draft.parameters()).dtype
+        # the drafter may sit on another GPU than the target's head (a target split with device_map="auto")
+        draft_device, draft_dtype = next(draft.parameters()).device, next(draft.parameters()).dtype
         block_tail = torch.full((b - 1,), draft.mask_token_id, dtype=torch.long, device=device)
     observe = getattr(policy, "observe", None)  # optional feedback hook: draft tokens accepted this round
     t_loop = time.perf_counter()
@@ -254,10 +256,10 @@ def speculative_generate(
             with timer.stage("draft"):
                 block_ids = torch.cat([torch.tensor([root], device=device), block_tail])  # [b]
                 hidden = draft(
-                    adapter.embed(block_ids)[None].to(draft_dtype),
-                    pending[None],
-                    torch.arange(start, start + b, device=device),
-                    torch.arange(draft_cache.length, start, device=device),
+                    adapter.embed(block_ids)[None].to(draft_device, draft_dtype),
+                    pending[None].to(draft_device),
+                    torch.arange(start, start + b, device=draft_device),
+                    torch.arange(draft_cache.length, start, device=draft_device),
                     cache=draft_cache,
                 )  # [1, b, hidden]
                 draft_logits = adapter.lm_head(hidden[0, 1:], draft)  # [b-1, V]: row d-1 drafts depth d

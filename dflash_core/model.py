@@ -12,8 +12,10 @@ round; the block's keys/values are never stored, so the cache always holds exact
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +23,7 @@ from torch import nn
 
 from .config import DFlashConfig
 
-__all__ = ["DFlashDraftModel", "DraftCache", "load_draft"]
+__all__ = ["DFlashDraftModel", "DraftCache", "load_draft", "rope_frequencies", "window_mask"]
 
 
 class RMSNorm(nn.Module):
@@ -42,16 +44,67 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-b, a), dim=-1)
 
 
-class Rotary(nn.Module):
-    """Default rotary embedding (same convention as Qwen3/Llama in transformers: rotate-half)."""
+def rope_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None = None,
+                     max_positions: int = 40960) -> tuple[torch.Tensor, float]:
+    """[head_dim/2] float32 inverse frequencies and the cos/sin scale of a rotary embedding.
 
-    def __init__(self, head_dim: int, theta: float) -> None:
+    ``scaling`` is None (plain rotary) or ``{"rope_type": "linear" | "llama3" | "yarn", ...}`` with the parameters
+    transformers reads for those types; the formulas are transformers' (``modeling_rope_utils``), computed in float64.
+    """
+    dims = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim  # [head_dim/2]
+    inv = 1.0 / theta ** dims
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "default":
+        return inv.float(), 1.0
+    if kind == "linear":
+        return (inv / scaling["factor"]).float(), 1.0
+    if kind == "llama3":
+        # long wavelengths (beyond original/low_freq_factor positions) are slowed by `factor`, short ones kept,
+        # the band in between interpolated smoothly
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        original = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > original / low, inv / factor, inv)
+        smooth = (original / wavelen - low) / (high - low)
+        medium = (wavelen >= original / high) & (wavelen <= original / low)
+        return torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled).float(), 1.0
+    if kind == "yarn":
+        original = scaling["original_max_position_embeddings"]
+        factor = scaling.get("factor") or max_positions / original
+
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        attention = scaling.get("attention_factor")
+        if attention is None:
+            m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+            attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+        def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times over `original`
+            return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / ((high - low) or 0.001)).clamp(0, 1)
+        # high-frequency dims keep their frequency (extrapolation), low-frequency dims are divided by the factor
+        return (inv / factor * ramp + inv * (1 - ramp)).float(), float(attention)
+    raise ValueError(f"rope scaling of type {kind!r} is not supported (default, linear, llama3, yarn)")
+
+
+class Rotary(nn.Module):
+    """Rotary embedding (same convention as Qwen3/Llama in transformers: rotate-half), optionally scaled."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None = None,
+                 max_positions: int = 40960) -> None:
         super().__init__()
-        self.head_dim, self.theta = head_dim, theta
+        self.head_dim, self.theta, self.scaling, self.max_positions = head_dim, theta, scaling, max_positions
+        self.attention_scale = rope_frequencies(head_dim, theta, scaling, max_positions)[1]  # cos/sin factor (yarn)
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
 
     def _inv_freq(self) -> torch.Tensor:
-        return (1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim))).float()
+        return rope_frequencies(self.head_dim, self.theta, self.scaling, self.max_positions)[0]
 
     def _apply(self, fn, recurse=True):
         # ``model.to(torch.bfloat16)`` would cast the frequencies too (errors up to 0.4%, phase errors > 0.3 rad at a
@@ -64,6 +117,8 @@ class Rotary(nn.Module):
         # positions: [B, S] -> cos, sin: [B, 1, S, head_dim]
         freqs = positions.float()[..., None] * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        if self.attention_scale != 1.0:
+            return (emb.cos() * self.attention_scale).to(dtype), (emb.sin() * self.attention_scale).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -87,6 +142,26 @@ class DraftCache:
         self.values = [v[..., :length, :] for v in self.values]
 
 
+def window_mask(n_query: int, n_key: int, causal: bool, window: int | None,
+                device: torch.device | str | None = None) -> torch.Tensor:
+    """[1, 1, Nq, Nk] bool (True = may attend) of a causal and/or sliding-window layer, as z-lab's drafter builds it.
+
+    The queries are the last ``n_query`` of the ``n_key`` keys (the layout ``[context ; block]``), and distances are
+    counted in key positions: causal hides keys after the query, a window of W hides keys W or more positions away
+    (on both sides when the layer is not causal).
+    """
+    q = (n_key - n_query + torch.arange(n_query, device=device))[:, None]  # [Nq, 1] key index of each query
+    k = torch.arange(n_key, device=device)[None, :]  # [1, Nk]
+    visible = torch.ones(n_query, n_key, dtype=torch.bool, device=device)
+    if causal:
+        visible &= k <= q
+    if window is not None:
+        visible &= q - k < window
+        if not causal:
+            visible &= k - q < window
+    return visible[None, None]
+
+
 def _flash_attn_available(q: torch.Tensor) -> bool:
     if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
         return False
@@ -98,8 +173,9 @@ def _flash_attn_available(q: torch.Tensor) -> bool:
 
 
 class DraftAttention(nn.Module):
-    def __init__(self, config: DFlashConfig) -> None:
+    def __init__(self, config: DFlashConfig, index: int = 0) -> None:
         super().__init__()
+        self.causal, self.window = config.layer_attention(index)  # z-lab's per-layer causal / sliding-window switch
         hd, bias = config.head_dim, config.attention_bias
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * hd, bias=bias)
@@ -134,12 +210,25 @@ class DraftAttention(nn.Module):
             k_ctx, v_ctx = torch.cat([past[0], k_ctx], dim=2), torch.cat([past[1], v_ctx], dim=2)
         k_blk, v_blk = self._project_kv(block, *block_rope)
         k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)  # [B, kv_heads, Nc+Nq, hd]
+        nk = k.shape[2]
+        if self.causal or (self.window is not None and nk > self.window):
+            if attn_mask is not None:
+                raise NotImplementedError("training with concatenated blocks (an attention mask) is not implemented "
+                                          "for drafters with causal or sliding-window layers")
+            attn_mask = window_mask(nq, nk, self.causal, self.window, q.device)
         if attn_mask is None and self.use_flash_attn and _flash_attn_available(q):
             from flash_attn import flash_attn_func
 
             out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=False)
+        elif attn_mask is not None and self.num_heads != self.num_kv_heads:
+            # SDPA's fused kernels do not take a mask together with enable_gqa=True (it then runs the math kernel,
+            # which materializes [B, heads, Nq, Nk] float scores): repeat K/V up to the query heads instead.
+            group = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [B, heads, Nk, hd]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask).transpose(1, 2)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True).transpose(1, 2)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
+                                                 enable_gqa=self.num_heads != self.num_kv_heads).transpose(1, 2)
         return self.o_proj(out.reshape(b, nq, -1)), (k_ctx, v_ctx)
 
 
@@ -155,9 +244,9 @@ class DraftMLP(nn.Module):
 
 
 class DraftLayer(nn.Module):
-    def __init__(self, config: DFlashConfig) -> None:
+    def __init__(self, config: DFlashConfig, index: int = 0) -> None:
         super().__init__()
-        self.self_attn = DraftAttention(config)
+        self.self_attn = DraftAttention(config, index)
         self.mlp = DraftMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -178,11 +267,11 @@ class DFlashDraftModel(nn.Module):
     def __init__(self, config: DFlashConfig) -> None:
         super().__init__()
         self.config = config
-        self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DraftLayer(config, i) for i in range(config.num_hidden_layers))
         self.fc = nn.Linear(config.num_taps * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = Rotary(config.head_dim, config.rope_theta)
+        self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings)
         if config.draft_vocab_size is not None:
             # target token ids the drafter drafts over (most frequent first); saved with the weights as "draft_vocab"
             self.register_buffer("draft_vocab", torch.zeros(config.draft_vocab_size, dtype=torch.long))
@@ -295,11 +384,10 @@ def load_draft(folder: str | Path, device: str | torch.device | None = None,
                dtype: torch.dtype | None = None) -> DFlashDraftModel:
     """Load a DFlash drafter checkpoint folder (z-lab format; parameter names with or without ``model.``).
 
-    Hub ids (``z-lab/Qwen3-8B-DFlash-b16``) are resolved with ``huggingface_hub.snapshot_download`` when the folder
-    does not exist locally, which needs network access to the Hugging Face Hub.
+    The weights are read straight onto ``device`` and the model is built on the meta device around them, so a large
+    drafter costs no random initialization and no CPU copy. Hub ids (``z-lab/Qwen3-8B-DFlash-b16``) are resolved with
+    ``huggingface_hub.snapshot_download`` when the folder does not exist locally, which needs network access.
     """
-    from safetensors.torch import load_file
-
     path = Path(folder)
     if not path.exists():
         path = _download(str(folder))
@@ -309,9 +397,10 @@ def load_draft(folder: str | Path, device: str | torch.device | None = None,
         raise FileNotFoundError(f"no *.safetensors weights in {path}")
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update(load_file(str(f)))
+        state.update(read_safetensors(f, device))
     state = {k.removeprefix("model."): v for k, v in state.items()}
-    model = DFlashDraftModel(config)
+    with torch.device("meta"):
+        model = DFlashDraftModel(config)
     expected = set(model.state_dict())
     missing, unexpected = expected - set(state), set(state) - expected
     if missing or unexpected:
@@ -319,9 +408,25 @@ def load_draft(folder: str | Path, device: str | torch.device | None = None,
             f"checkpoint {path} does not match the DFlash layout: missing {sorted(missing)[:6]}, "
             f"unexpected {sorted(unexpected)[:6]}"
         )
-    model.load_state_dict(state)
-    dtype = dtype or next(iter(state.values())).dtype
-    return model.to(device=device, dtype=dtype).eval()
+    model.load_state_dict(state, assign=True)  # the loaded tensors become the parameters (no copy)
+    first = next(iter(state.values()))
+    model.rotary.inv_freq = model.rotary._inv_freq().to(first.device)  # not in checkpoints: computed, float32
+    return model.to(device=device, dtype=dtype or first.dtype).eval()
+
+
+def read_safetensors(path: str | Path, device: str | torch.device | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of one ``.safetensors`` file on ``device``; a damaged file gets an error that names it."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path), device=str(torch.device(device)) if device is not None else "cpu")
+    except SafetensorError as err:
+        raise ValueError(
+            f"{path} is not a readable safetensors file ({err}). It is truncated or corrupt, e.g. an interrupted "
+            "download or copy, or a Git LFS pointer checked out instead of the weights: delete it and download or "
+            "export the checkpoint again"
+        ) from err
 
 
 def _download(repo_id: str) -> Path:

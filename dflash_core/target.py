@@ -14,9 +14,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["TargetAdapter", "TargetOutput", "IncompatibleModelError", "SUPPORTED_MODEL_TYPES", "check_compatibility"]
+__all__ = ["TargetAdapter", "TargetOutput", "IncompatibleModelError", "SUPPORTED_MODEL_TYPES", "TREE_MASK_BACKENDS",
+           "check_compatibility", "check_tree_attention"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral", "qwen3_moe")
+# attention backends that apply a custom 4D mask as given; flash-attention kernels read a mask as 2D padding only
+TREE_MASK_BACKENDS = ("sdpa", "eager", "flex_attention")
 
 
 class IncompatibleModelError(ValueError):
@@ -82,16 +85,32 @@ class TargetAdapter:
     def hidden_size(self) -> int:
         return self.model.lm_head.weight.shape[1]
 
+    @property
+    def input_vocab_size(self) -> int:
+        return self.model.model.embed_tokens.weight.shape[0]
+
+    def check_token_ids(self, token_ids: torch.Tensor) -> None:
+        """Raise ValueError naming the first id outside the target's embedding table (before it fails deep inside)."""
+        vocab = self.input_vocab_size
+        bad = token_ids[(token_ids < 0) | (token_ids >= vocab)]
+        if bad.numel():
+            raise ValueError(
+                f"input_ids holds token id {int(bad[0])}, outside the target's vocabulary (ids 0..{vocab - 1}, "
+                f"{vocab} tokens): was the prompt encoded with another model's tokenizer?"
+            )
+
     # ------------------------------------------------------------------ shared pieces for the drafter
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """[..., n] token ids -> [..., n, hidden] input embeddings of the target."""
-        return self.model.model.embed_tokens(token_ids)
+        """[..., n] token ids -> [..., n, hidden] input embeddings of the target (on the embedding's device)."""
+        table = self.model.model.embed_tokens
+        return table(token_ids.to(table.weight.device))
 
     def lm_head(self, hidden: torch.Tensor, draft=None) -> torch.Tensor:
-        """[..., hidden] -> [..., V] logits with the target's head (in float32).
+        """[..., hidden] -> [..., V] logits with the target's head (in float32, on the head's device).
 
         With ``draft`` given, its draft vocabulary (if any) decides which rows are computed (others are -inf).
         """
+        hidden = hidden.to(self.device)
         if draft is not None and getattr(draft, "draft_vocab", None) is not None:
             return draft.vocab_logits(hidden, self.model.lm_head.weight)
         return self.model.lm_head(hidden.to(self.dtype)).float()
@@ -155,6 +174,7 @@ class TargetAdapter:
         n = token_ids.shape[-1]
         kwargs = {self._cache_kw: cache, "use_cache": True}
         if visibility is not None:
+            check_tree_attention(self.model)
             # [1, 1, n, past + n] additive mask: the past is fully visible, the tree part follows `visibility`.
             hidden = torch.zeros(1, 1, n, past + n, dtype=torch.bool, device=self.device)
             hidden[..., past:] = ~visibility.to(self.device)
@@ -175,9 +195,26 @@ class TargetAdapter:
             logits = logits[-1:]
         features = None
         if want_features:
-            # hidden_states[0] is the embedding output, so layer i's output is hidden_states[i + 1]
-            features = torch.cat([out.hidden_states[i + 1][0] for i in self.layer_ids], dim=-1)
+            # hidden_states[0] is the embedding output, so layer i's output is hidden_states[i + 1]; with the layers
+            # split over several GPUs (device_map="auto") the taps are gathered on the head's device first
+            features = torch.cat([out.hidden_states[i + 1][0].to(self.device) for i in self.layer_ids], dim=-1)
         return TargetOutput(logits=logits.float(), features=features)
+
+
+def check_tree_attention(target: nn.Module) -> None:
+    """Raise :class:`IncompatibleModelError` when the target's attention backend cannot apply a tree mask.
+
+    Tree verification hands the target a 4D ancestor mask. SDPA, eager and flex attention apply it; flash-attention
+    kernels take a mask as 2D padding and would verify every node under the plain causal mask, silently accepting
+    tokens the target never saw in that context. A chain needs no mask and runs on any backend.
+    """
+    backend = getattr(getattr(target, "config", None), "_attn_implementation", None)
+    if backend is not None and backend not in TREE_MASK_BACKENDS:
+        raise IncompatibleModelError(
+            f"the target's attention backend {backend!r} does not apply a 4D attention mask, which tree verification "
+            f"needs (it works with {', '.join(TREE_MASK_BACKENDS)}). Load the target with attn_implementation='sdpa' "
+            "or call target.set_attn_implementation('sdpa'); budget='chain' (DFlash) runs on any backend"
+        )
 
 
 def check_compatibility(target: nn.Module, draft) -> None:

@@ -15,13 +15,15 @@ __all__ = ["StageTimer"]
 class StageTimer:
     """Accumulates seconds per named stage.
 
-    On CUDA each stage records a pair of events on the current stream; nothing waits for the device until
-    :meth:`totals` is called once at the end, so timing does not serialize the loop.
+    On CUDA each stage records a pair of events on the current stream of ``device`` (not of whichever GPU happens to
+    be current: with the model on ``cuda:1`` and ``cuda:0`` current, events on ``cuda:0`` would read ~0); nothing
+    waits for the device until :meth:`totals` is called once at the end, so timing does not serialize the loop.
     """
 
     def __init__(self, device: torch.device | str = "cpu", enabled: bool = True) -> None:
         self.enabled = enabled
-        self.cuda = torch.device(device).type == "cuda"
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
         self._seconds: dict[str, float] = defaultdict(float)
         self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
@@ -31,10 +33,11 @@ class StageTimer:
             yield
             return
         if self.cuda:
+            stream = torch.cuda.current_stream(self.device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            start.record(stream)
             yield
-            end.record()
+            end.record(stream)
             self._events.append((name, start, end))
         else:
             t0 = time.perf_counter()
@@ -44,7 +47,7 @@ class StageTimer:
     def totals(self) -> dict[str, float]:
         """Seconds per stage (synchronizes the device once on CUDA)."""
         if self._events:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
             for name, start, end in self._events:
                 self._seconds[name] += start.elapsed_time(end) / 1000.0
             self._events.clear()

@@ -21,10 +21,16 @@ position and ``negatives`` uniformly drawn other tokens (fresh each step), i.e. 
 the loss cares about (hard label and soft labels) lies inside the set; the random negatives keep pushing the logits
 of the remaining tokens down, so the full-vocabulary argmax used at decode time stays inside the trained region.
 
-Scale-out: under ``torchrun`` the same command runs data-parallel (DDP; gloo on CPU, nccl on CUDA). Each rank
-generates a shard of the prompts; each step's global batch of sequences is split across ranks, the loss is normalised
-by the global weight sum, and anchors are drawn from a generator keyed by (seed, epoch, sequence), so 1 process and N
-processes with the same global batch follow the same loss curve (full-vocabulary loss).
+Scale-out: under ``torchrun`` the same command runs data-parallel (DDP). Each rank makes its own GPU current
+(``LOCAL_RANK``) and joins one process group with both backends (``cpu:gloo,cuda:nccl``: NCCL for CUDA tensors, gloo
+for CPU ones; gloo alone on CPU). Each rank generates a shard of the prompts; each step's global batch of sequences is
+split across ranks, the loss is normalised by the global weight sum, and anchors are drawn from a generator keyed by
+(seed, epoch, sequence), so 1 process and N processes with the same global batch follow the same loss curve
+(full-vocabulary loss).
+
+Memory of one step: :mod:`dflash_core.train_memory` (the formula, checked against a CPU measurement at 1/32 of the
+width by the tests). For the ``qwen3`` preset on Qwen3-8B it is about 67 GB, whose largest term is the
+full-vocabulary logits of the 512 x 15 predicted positions (19 GB), not attention.
 """
 
 from __future__ import annotations
@@ -48,13 +54,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .config import DFlashConfig, build_target_layer_ids
+from .config import DFlashConfig, build_target_layer_ids, target_rope
 from .model import DFlashDraftModel, load_draft
 from .train_data import GenerationConfig, build_prompts, generate_responses, load_samples
 
 __all__ = [
     "DraftSpec", "TrainConfig", "DataConfig", "PRESETS", "make_draft_config", "position_weights", "sample_anchors",
-    "block_inputs", "block_attention_mask", "target_features", "SequenceFeatures", "sequence_loss", "draft_loss", "train", "main",
+    "block_inputs", "block_attention_mask", "target_features", "SequenceFeatures", "sequence_loss", "draft_loss", "train",
+    "init_distributed", "load_checkpoint", "shipped_drafter", "main",
 ]
 
 
@@ -126,6 +133,7 @@ def make_draft_config(target_config, spec: DraftSpec) -> DFlashConfig:
     hidden = int(target_config.hidden_size)
     heads = int(target_config.num_attention_heads)
     n_layers = int(target_config.num_hidden_layers)
+    theta, scaling = target_rope(target_config)  # the target's rotary, in either transformers config format
     return DFlashConfig(
         hidden_size=hidden, num_hidden_layers=spec.layers, num_attention_heads=heads,
         num_key_value_heads=int(getattr(target_config, "num_key_value_heads", heads)),
@@ -134,9 +142,8 @@ def make_draft_config(target_config, spec: DraftSpec) -> DFlashConfig:
         vocab_size=int(target_config.vocab_size),
         target_layer_ids=tuple(build_target_layer_ids(n_layers, spec.taps)),
         mask_token_id=spec.mask_token_id, num_target_layers=n_layers, block_size=spec.block_size,
-        rms_norm_eps=float(getattr(target_config, "rms_norm_eps", 1e-6)),
-        rope_theta=float(getattr(target_config, "rope_theta", None)
-                         or (getattr(target_config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
+        rms_norm_eps=float(getattr(target_config, "rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+        max_position_embeddings=int(getattr(target_config, "max_position_embeddings", 40960)),
     )
 
 
@@ -176,15 +183,18 @@ def block_inputs(ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask
     return tokens.reshape(-1), positions.reshape(-1), labels
 
 
-def block_attention_mask(anchors: torch.Tensor, block_size: int, n_context: int) -> torch.Tensor:
-    """[A*b, n_context + A*b] bool, True = may attend.
+def block_attention_mask(anchors: torch.Tensor, block_size: int, n_context: int,
+                         device: torch.device | str | None = None) -> torch.Tensor:
+    """[A*b, n_context + A*b] bool, True = may attend, built on ``device`` (default: the anchors' device).
 
     Query rows of block j see context columns c < anchors[j] (features strictly before its anchor) and every
     column of block j itself (bidirectional); nothing of the other blocks.
     """
+    device = anchors.device if device is None else torch.device(device)
+    anchors = anchors.to(device)
     a, b = anchors.shape[0], block_size
-    block_of_row = torch.arange(a).repeat_interleave(b)  # [A*b]
-    context = torch.arange(n_context)[None, :] < anchors[block_of_row][:, None]  # [A*b, Nc]
+    block_of_row = torch.arange(a, device=device).repeat_interleave(b)  # [A*b]
+    context = torch.arange(n_context, device=device)[None, :] < anchors[block_of_row][:, None]  # [A*b, Nc]
     own = block_of_row[:, None] == block_of_row[None, :]  # [A*b, A*b]
     return torch.cat([context, own], dim=1)
 
@@ -202,7 +212,7 @@ def target_features(target, ids: torch.Tensor, layer_ids: Sequence[int], topk: i
     """One teacher-forced target pass over ``ids`` [T] (no grad): tapped hidden states and top-k distributions."""
     device = target.lm_head.weight.device
     out = target(input_ids=ids[None].to(device), output_hidden_states=True, use_cache=False)
-    feats = torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], dim=-1)  # [T, taps*H]
+    feats = torch.cat([out.hidden_states[i + 1][0].to(device) for i in layer_ids], dim=-1)  # [T, taps*H]
     top_ids = top_logp = None
     if topk > 0:
         logp = torch.log_softmax(out.logits[0].float(), dim=-1)
@@ -226,11 +236,11 @@ def sequence_loss(model, embed: torch.nn.Module, head_weight: torch.Tensor, ids:
     dtype = next(core.parameters()).dtype  # the drafter's master weights (fp32 when training)
     n_ctx = int(anchors.max())  # context features 0..max_anchor-1 cover every block's needs
     tokens, positions, labels = block_inputs(ids, anchors, b, core.mask_token_id)
-    mask = block_attention_mask(anchors, b, n_ctx).to(dev)[None, None]  # [1, 1, A*b, Nc + A*b]
+    mask = block_attention_mask(anchors, b, n_ctx, device=dev)[None, None]  # [1, 1, A*b, Nc + A*b]
     with torch.no_grad():
-        block_embeds = embed(tokens.to(dev))[None].to(dtype)  # [1, A*b, H] (frozen target embeddings)
+        block_embeds = embed(tokens.to(embed.weight.device))[None].to(dev, dtype)  # [1, A*b, H] (frozen target embeddings)
     with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.autocast):
-        hidden = model(block_embeds, feats.features[:n_ctx][None].to(dtype), positions.to(dev),
+        hidden = model(block_embeds, feats.features[:n_ctx][None].to(dev, dtype), positions.to(dev),
                        torch.arange(n_ctx, device=dev), attn_mask=mask)  # [1, A*b, H]
     valid = labels >= 0  # [A, b-1]
     hidden = hidden[0].view(len(anchors), b, -1)[:, 1:][valid.to(dev)]  # [N, H] predicted positions
@@ -268,8 +278,10 @@ def sequence_loss(model, embed: torch.nn.Module, head_weight: torch.Tensor, ids:
             s_prob = s_prob / s_prob.sum(-1, keepdim=True).clamp(min=1e-12)
     else:
         raise ValueError(f"loss_vocab must be 'full', 'batch' or 'draft', got {cfg.loss_vocab!r}")
-    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.autocast):
-        logits = hidden @ head.to(hidden.dtype).t()  # [N, C]
+    # The head is the frozen target's (up to V x H = 0.6e9 entries): the product runs in the head's own dtype, so the
+    # head is never cast or copied per sequence (``head.to(fp32)``, or autocast's cast of a non-bf16 head, would be).
+    with torch.autocast(dev.type, enabled=False):
+        logits = hidden.to(head.dtype) @ head.t()  # [N, C]
     logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
     ce = -logp.gather(1, lookup(labels)[:, None])[:, 0]  # [N]
     if distill:
@@ -333,6 +345,19 @@ def _save_checkpoint(path: Path, draft, optimizer, state: TrainState) -> None:
     tmp.replace(path)
 
 
+def load_checkpoint(path: Path, device: torch.device | str = "cpu") -> dict:
+    """A training checkpoint (tensors, numbers, strings, lists and dicts only), read without unpickling code."""
+    import pickle
+
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise ValueError(
+            f"{path} holds more than tensors and plain values, so it is not loaded (that would run arbitrary code "
+            f"from the file): {err}. Delete it to restart training from scratch, or load it yourself if you trust it"
+        ) from err
+
+
 def train(target, draft: DFlashDraftModel, sequences: list[tuple[torch.Tensor, int]], cfg: TrainConfig,
           out: Path | None = None, log: Callable[[str], None] = print,
           evaluate: Callable[[DFlashDraftModel], dict] | None = None, stop_after: int | None = None,
@@ -364,7 +389,7 @@ def train(target, draft: DFlashDraftModel, sequences: list[tuple[torch.Tensor, i
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
     if ckpt is not None and ckpt.is_file():
-        blob = torch.load(ckpt, map_location=dev, weights_only=False)
+        blob = load_checkpoint(ckpt, dev)
         draft.load_state_dict(blob["draft"])
         optimizer.load_state_dict(blob["optimizer"])
         state = TrainState(**blob["state"])
@@ -435,13 +460,13 @@ def train(target, draft: DFlashDraftModel, sequences: list[tuple[torch.Tensor, i
                 s, st = sequence_loss(model, embed, head_weight, ids, feats, anchors, cfg, neg_gen)
                 (s * (world / wsum)).backward()  # DDP averages over ranks: world/wsum makes it sum/wsum
             local_sum, hits, n1 = local_sum + float(s.detach()), hits + st["hits1"], n1 + st["n1"]
-        loss = torch.tensor(local_sum / wsum)
+        loss = local_sum / wsum
         stats = {"acc1": hits / max(1, n1)}
         grad_norm = float(torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip))
         optimizer.step()
         state.step += 1
-        # the global loss (sum of weighted CE over all ranks / global weight sum)
-        global_loss = torch.tensor([float(loss)], dtype=torch.float64)
+        # the global loss (sum of weighted CE over all ranks / global weight sum); collectives on the training device
+        global_loss = torch.tensor([loss], dtype=torch.float64, device=dev)
         if world > 1:
             dist.all_reduce(global_loss)
         record = {"step": state.step, "loss": float(global_loss), "acc1": stats["acc1"], "lr": cfg.lr * factor,
@@ -451,7 +476,7 @@ def train(target, draft: DFlashDraftModel, sequences: list[tuple[torch.Tensor, i
         bar.update(1)
         bar.set_postfix(loss=f"{record['loss']:.3f}", acc1=f"{stats['acc1']:.2f}")
         if cfg.time_budget_s is not None:
-            elapsed = torch.tensor([state.train_seconds], dtype=torch.float64)
+            elapsed = torch.tensor([state.train_seconds], dtype=torch.float64, device=dev)
             if world > 1:  # every rank stops at the same step
                 dist.broadcast(elapsed, 0)
             state.train_seconds = float(elapsed)
@@ -497,8 +522,7 @@ def tau_evaluator(target, tokenizer, prompts: list[list[int]], max_new_tokens: i
 def benchmark_tau(target, draft, tokenizer, stop_ids: list[int], datasets: Sequence[str], per_dataset: int,
                   max_new_tokens: int, log: Callable[[str], None] = print) -> dict:
     """Greedy dflash_generate tau per dataset on the benchmark's own first items (select_items(name, n, seed=0))."""
-    from experiments.datasets import DatasetUnavailableError, build_chat, select_items
-
+    from .data import DatasetUnavailableError, build_chat, select_items
     from .decoding import dflash_generate
 
     results = {}
@@ -542,12 +566,39 @@ def _load_target(name: str, dtype: torch.dtype, device: torch.device):
 
         target, tokenizer = load_default_target(dtype, device)
         return target, tokenizer, stop_token_ids(tokenizer)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from .loading import load_target, stop_token_ids
 
-    tokenizer = AutoTokenizer.from_pretrained(name)
-    target = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa").to(device).eval()
-    stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    return target, tokenizer, stops
+    target, tokenizer = load_target(name, dtype, device)  # straight onto the device (device_map={"": device})
+    return target, tokenizer, stop_token_ids(tokenizer, target)
+
+
+def init_distributed(device: str | None = None) -> tuple[torch.device, bool]:
+    """This process's device, and whether it joined a process group (``WORLD_SIZE`` > 1, as under torchrun).
+
+    Each rank makes its own GPU (``cuda:LOCAL_RANK`` unless ``device`` names one) current BEFORE the group starts, so
+    NCCL never touches another rank's GPU; the group carries gloo for CPU tensors and NCCL for CUDA ones.
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device:
+        dev = torch.device(device)
+    elif torch.cuda.is_available():
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    if dev.type == "cuda":
+        if dev.index is None:
+            dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if distributed:
+        dist.init_process_group("cpu:gloo,cuda:nccl" if dev.type == "cuda" else "gloo")
+    return dev, distributed
+
+
+def shipped_drafter(folder: Path, target) -> DFlashDraftModel:
+    """The exported drafter loaded as it ships, next to the target's head (its device and dtype)."""
+    head = target.lm_head.weight
+    return load_draft(folder, device=head.device, dtype=head.dtype)
 
 
 def _data_worker(index: int, workers: int, out: Path, prompts, gen: GenerationConfig, done: set[str],
@@ -594,17 +645,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         opts["cache_features"] = False
     if not opts.get("target"):
         raise SystemExit(f"--preset {a.preset} needs --target (a Hugging Face model id or folder, e.g. Qwen/Qwen3-8B)")
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if distributed:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
+    device, distributed = init_distributed(a.device)
     rank, world = _world()
-    if a.device:
-        device = torch.device(a.device)
-    elif torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    else:
-        device = torch.device("cpu")
     out = Path(a.out)
     logger = setup_logging(out, rank)
     log = logger.info
@@ -688,7 +730,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 shutil.copy2(final / name, dest / name)
             log(f"exported the drafter to {dest}")
         if opts.get("bench_prompts"):
-            final_draft = load_draft(final, dtype=target.dtype)  # exactly what ships (bf16)
+            final_draft = shipped_drafter(final, target)  # exactly what ships, on the target's device
             summary["benchmark_tau"] = benchmark_tau(
                 target, final_draft, tokenizer, stops, ("gsm8k", "math500", "humaneval", "mt-bench"),
                 opts["bench_prompts"], 256, log)

@@ -3,8 +3,8 @@
 A drafter learns to predict what its *target* will say, so the responses are the target's own (greedy and sampled),
 never reference answers. Prompt sources (all legal to use, all offline):
 
-* ``gsm8k`` / ``math500`` / ``humaneval``: :func:`experiments.datasets.training_split`, i.e. pool items the benchmark
-  can never select (the test suite checks the ids against :func:`experiments.datasets.benchmark_pool_ids`);
+* ``gsm8k`` / ``math500`` / ``humaneval``: :func:`dflash_core.data.training_split`, i.e. pool items the benchmark
+  can never select (the test suite checks the ids against :func:`dflash_core.data.benchmark_pool_ids`);
 * ``stdlib``: coding and explanation tasks built from the docstrings of Python's own standard library (PSF license);
 * ``code-tasks``: self-written classic programming exercises, asked plainly and as HumanEval-style stubs;
 * ``math-templates``: self-written arithmetic word problems and small algebra exercises with random numbers;
@@ -42,7 +42,7 @@ class PromptItem:
 # ---------------------------------------------------------------------------------------------------- benchmark pools
 def benchmark_training_prompts() -> list[PromptItem]:
     """Training-split items of the offline pools (never benchmark-eligible), in the benchmark's prompt format."""
-    from experiments.datasets import DatasetUnavailableError, training_split
+    from .data import DatasetUnavailableError, training_split
 
     items = []
     for name in ("gsm8k", "math500", "humaneval"):
@@ -364,7 +364,7 @@ def generate_responses(target, tokenizer, prompts: list[PromptItem], out_path: s
 
     Returns the number of new samples.
     """
-    from experiments.datasets import build_chat
+    from .data import build_chat
 
     out_path = Path(out_path)
     done = set(done or ()) | {s["prompt_id"] for s in load_samples(out_path)}

@@ -17,8 +17,9 @@ generation in flight; rerunning the same command skips every finished record. A 
 (``paper``) writes one such folder per pair under ``--out``.
 
 Multi-GPU: under ``torchrun --nproc_per_node=G`` the conversations are dealt round-robin to the ranks, each rank
-uses its own GPU (or, for a ``device_map="auto"`` target, its share of the GPUs) and writes its own records file;
-after a barrier rank 0 merges them into ``records.jsonl``.
+uses its own GPU (or, for a ``device_map="auto"`` target, its share of the GPUs, see ``experiments.models``) and
+writes its own records file; after a barrier rank 0 merges them into ``records.jsonl``. Loading the models lives in
+:mod:`experiments.models`.
 """
 
 from __future__ import annotations
@@ -34,11 +35,15 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from experiments.datasets import BenchmarkItem, DatasetUnavailableError, build_chat, select_items
+from experiments.models import (  # noqa: F401  (ByteTokenizer, random_draft, tiny_target: kept importable from here)
+    ByteTokenizer, Models, load_models, random_draft, tiny_target,
+)
+from experiments.models import pick_device as _pick_device
 from experiments.presets import (
     BUDGET_POLICIES, DTYPES, PRESETS, TREE_KINDS, ModelPair, Preset, get_preset, with_overrides,
 )
@@ -47,11 +52,11 @@ from experiments.schema import (
     read_records, record_key, tree_kind,
 )
 
-__all__ = ["Variant", "Models", "RankInfo", "load_models", "make_variants", "run_benchmark", "run_pair", "main"]
+__all__ = ["Variant", "Models", "RankInfo", "load_models", "make_variants", "pick_device", "run_benchmark", "run_pair",
+           "main"]
 
 RANK_RECORDS_GLOB = "records.rank*.jsonl"
 WARMUP_PROMPT = "Count from one to ten."
-_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 
 
 def log(message: str) -> None:
@@ -133,166 +138,6 @@ def make_variants(preset: Preset) -> list[Variant]:
     return variants
 
 
-# ---------------------------------------------------------------------------------------------------- models
-class ByteTokenizer:
-    """Bytes as tokens (ids 0-255) plus four specials; the tiny preset's tokenizer (no files, no chat template)."""
-
-    chat_template = None
-    bos_token_id, eos_token_id, pad_token_id, mask_token_id = 256, 257, 258, 259
-    vocab_size = 260
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return ([self.bos_token_id] if add_special_tokens else []) + list(text.encode("utf-8"))
-
-    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        ids = [int(i) for i in ids]
-        data = bytes(i for i in ids if i < 256) if skip_special_tokens else bytes(i % 256 for i in ids)
-        return data.decode("utf-8", errors="replace")
-
-
-@dataclass
-class Models:
-    """A loaded target/drafter pair and what the runner needs around it."""
-
-    target: Any
-    draft: Any
-    tokenizer: Any
-    stop_token_ids: list[int]
-    pair: ModelPair
-    dtype: torch.dtype
-    device: torch.device
-
-    def describe(self) -> dict[str, Any]:
-        cfg = self.target.config
-        info = {"target": self.pair.target, "draft": self.pair.draft, "model_type": cfg.model_type,
-                "target_params": sum(p.numel() for p in self.target.parameters()),
-                "stop_token_ids": self.stop_token_ids}
-        if self.draft is not None:
-            info["draft_params"] = sum(p.numel() for p in self.draft.parameters())
-            info["draft_config"] = {"layers": self.draft.config.num_hidden_layers,
-                                    "block_size": self.draft.config.block_size,
-                                    "target_layer_ids": list(self.draft.config.target_layer_ids),
-                                    "mask_token_id": self.draft.config.mask_token_id}
-        return info
-
-
-def tiny_target(vocab: int = ByteTokenizer.vocab_size, layers: int = 4, hidden: int = 32, seed: int = 0):
-    """A random tiny Llama; a wide init keeps its distributions peaked, so greedy near-ties are rare."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                         initializer_range=0.2, tie_word_embeddings=False)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config).eval()
-
-
-def random_draft(target, layers: int = 1, taps: int = 5, block_size: int = 16, mask_token_id: int | None = None,
-                 seed: int = 1):
-    """A DFlash drafter with random weights shaped for ``target`` (same dtype and device as its LM head).
-
-    It proposes nonsense, so speculative methods gain nothing; it exercises every code path at the right sizes.
-    """
-    from dflash_core import DFlashConfig, DFlashDraftModel, build_target_layer_ids
-
-    cfg = target.config
-    n_layers = int(cfg.num_hidden_layers)
-    taps = max(1, min(taps, n_layers))
-    if n_layers >= taps + 4:
-        layer_ids = build_target_layer_ids(n_layers, taps)
-    else:  # too shallow for the published spread rule: spread evenly over all layers
-        layer_ids = sorted({round(i * (n_layers - 1) / max(taps - 1, 1)) for i in range(taps)})
-    heads = int(cfg.num_attention_heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-    vocab = int(target.lm_head.weight.shape[0])
-    config = DFlashConfig(
-        hidden_size=int(cfg.hidden_size), num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=int(getattr(cfg, "num_key_value_heads", heads)), head_dim=head_dim,
-        intermediate_size=int(cfg.intermediate_size), vocab_size=vocab, target_layer_ids=tuple(layer_ids),
-        mask_token_id=vocab - 1 if mask_token_id is None else mask_token_id, num_target_layers=n_layers,
-        block_size=block_size, rope_theta=float(getattr(cfg, "rope_theta", None) or 10000.0),
-    )
-    weight = target.lm_head.weight
-    torch.manual_seed(seed)
-    with torch.device(weight.device):
-        draft = DFlashDraftModel(config)
-    return draft.to(weight.dtype).eval()
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        from dflash_core.default import default_dtype
-
-        return default_dtype(device)
-    return _TORCH_DTYPES[name]
-
-
-def _stop_ids(tokenizer, target) -> list[int]:
-    ids = set()
-    for value in (getattr(tokenizer, "eos_token_id", None), getattr(target.generation_config, "eos_token_id", None)):
-        ids.update([value] if isinstance(value, int) else (value or []))
-    for token in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
-        if token in (getattr(tokenizer, "get_vocab", dict)() or {}):
-            ids.add(tokenizer.convert_tokens_to_ids(token))
-    return sorted(i for i in ids if isinstance(i, int) and i >= 0)
-
-
-def _device_map(pair: ModelPair, device: torch.device, rank: "RankInfo") -> dict[str, Any]:
-    """from_pretrained arguments placing a ``device_map="auto"`` target on this rank's share of the GPUs."""
-    if pair.device_map != "auto" or device.type != "cuda":
-        return {}
-    n = torch.cuda.device_count()
-    per_rank = max(1, n // rank.world)
-    first = (rank.local_rank * per_rank) % n
-    gpus = range(first, min(first + per_rank, n))
-    return {"device_map": "auto",
-            "max_memory": {g: torch.cuda.get_device_properties(g).total_memory for g in gpus}}
-
-
-def load_models(pair: ModelPair, dtype_name: str, device: torch.device, rank: "RankInfo | None" = None) -> Models:
-    """Load (or build) the target, its tokenizer and the drafter of ``pair`` in the requested dtype."""
-    from dflash_core import check_compatibility, load_draft
-
-    rank = rank or RankInfo()
-    dtype = resolve_dtype(dtype_name, device)
-    if pair.target == "default":
-        from dflash_core.default import load_default_target, stop_token_ids
-
-        target, tokenizer = load_default_target(dtype, device)
-        stops = stop_token_ids(tokenizer)
-    elif pair.target == "tiny":
-        target, tokenizer = tiny_target().to(device=device, dtype=dtype), ByteTokenizer()
-        stops = [tokenizer.eos_token_id]
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        placement = _device_map(pair, device, rank)
-        tokenizer = AutoTokenizer.from_pretrained(pair.target)
-        target = AutoModelForCausalLM.from_pretrained(pair.target, dtype=dtype, attn_implementation="sdpa",
-                                                      **placement).eval()
-        if not placement:
-            target = target.to(device)
-        stops = _stop_ids(tokenizer, target)
-
-    head = target.lm_head.weight
-    if pair.draft == "random":
-        tiny = pair.target == "tiny"
-        draft = random_draft(target, layers=1 if tiny else 2, taps=2 if tiny else 5, block_size=8 if tiny else 16)
-    elif pair.draft == "default":
-        from dflash_core.default import DEFAULT_DRAFT_DIR
-
-        if not (DEFAULT_DRAFT_DIR / "model.safetensors").is_file():
-            raise FileNotFoundError(
-                f"the shipped drafter is not in {DEFAULT_DRAFT_DIR} yet; pass --draft PATH for a DFlash checkpoint, "
-                "or --draft random to check the whole path with a random drafter (no speedup)")
-        draft = load_draft(DEFAULT_DRAFT_DIR, device=head.device, dtype=head.dtype)
-    else:
-        draft = load_draft(pair.draft, device=head.device, dtype=head.dtype)
-    check_compatibility(target, draft)
-    return Models(target, draft, tokenizer, stops, pair, head.dtype, head.device)
-
-
 # ---------------------------------------------------------------------------------------------------- ranks
 @dataclass(frozen=True)
 class RankInfo:
@@ -301,11 +146,14 @@ class RankInfo:
     rank: int = 0
     world: int = 1
     local_rank: int = 0
+    local_world: int | None = None  # ranks on this machine (LOCAL_WORLD_SIZE); None = world
 
     @classmethod
     def from_env(cls) -> "RankInfo":
         env = os.environ
-        return cls(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
+        local_world = env.get("LOCAL_WORLD_SIZE")
+        return cls(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)),
+                   int(local_world) if local_world else None)
 
     @property
     def is_main(self) -> bool:
@@ -339,16 +187,8 @@ def process_group(rank: RankInfo):
 
 
 def pick_device(name: str, rank: RankInfo) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("this run needs CUDA (the paper preset's models do not fit a CPU run), and no GPU is "
-                         "visible; use --preset default or quick on a machine without a GPU")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", rank.local_rank % max(torch.cuda.device_count(), 1))
-        torch.cuda.set_device(device)
-    return device
+    """This rank's device (made current on CUDA): the first GPU of its share, see ``experiments.models.rank_gpus``."""
+    return _pick_device(name, rank.local_rank, rank.local_world or rank.world)
 
 
 def device_name(device: torch.device) -> str:

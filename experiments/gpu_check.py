@@ -3,24 +3,36 @@
     python -m experiments.gpu_check --out experiments/profiles/h200.json          # CUDA, bf16, at most ~8 min
     python -m experiments.gpu_check --allow-cpu --tiny --out /tmp/profile.json    # the code path on a tiny model
 
-No downloads: the targets are random-weight models built from the Qwen3-4B and Qwen3-8B configurations (numbers
-below), each with a random DFlash drafter of the published shape (5 layers, 5 tapped target layers, block 16).
-Random weights are enough for what is measured here, because cost depends only on shapes and the checks compare the
-target with itself:
+Run it from the repository root with the GPU image's own python: nothing needs installing when that python has
+torch (2.5 or newer, CUDA build), transformers (5.17 or newer, < 6) and numpy; the repository's packages are imported
+from the working tree. A GPU image without network that lacks transformers must be given these wheels (pure Python
+unless noted): transformers, huggingface-hub, tokenizers (binary), safetensors (binary), regex (binary), pyyaml
+(binary), tqdm, packaging, typer and their own small dependencies -- see ``experiments/profiles/README.md``.
+
+No downloads: the target is a random-weight model built from the Qwen3-8B configuration (numbers below; Qwen3-4B with
+``--models qwen3-4b,qwen3-8b``), with a random DFlash drafter of the published shape (5 layers, 5 tapped target
+layers, block 16). Random weights are enough for what is measured here, because cost depends only on shapes and the
+checks compare the target with itself:
 
 1. tree-attention oracle: the target's logits at every node of a best-first tree, verified in ONE forward under the
    ancestor mask, against a plain causal forward over that node's root path on the same cache (max |diff|, argmax
    agreement);
 2. greedy losslessness: ``ddtree_generate`` (chain, and fixed budgets) against ``autoregressive_generate`` on random
    prompts, exact token match (bf16 is not bit-exact across different token counts per forward, so a mismatch in
-   bf16 is reported, and the same check in fp32 on the smaller model tells a numeric tie from a bug);
+   bf16 is reported, and the same check in fp32 tells a numeric tie from a bug);
 3. verify cost curve: one target forward appending N tokens (a root plus N-1 tree nodes under the tree mask, and the
-   same N tokens causally) to a ~512-token cache, N = 1, 2, 4, ..., 1024; CUDA events, median of several runs;
+   same N tokens causally) to a cache of 512 and of 4096 tokens, N = 1, 2, 4, ..., 1024; CUDA events, median of
+   several runs;
 4. drafter cost: one drafter pass (block of 16 on top of a 512-token context cache), the LM head over its 15 rows,
-   and building the tree from those logits at several budgets.
+   and building the tree from those logits at several budgets;
+5. round cost: ``ddtree.budget.measure_cost_model`` at both context lengths, i.e. what ``budget="auto"`` measures
+   (the N-dependent part of a round: mask, forward, walk, compaction; the fixed part: drafter pass, LM head, tree
+   at the cap of 1024).
 
-The profile (JSON) also carries a ``cost_model`` per model in the form ``ddtree.budget.CostModel`` reads
-(``nodes`` = tree nodes N-1, ``verify_s``, ``fixed_s``), so ``budget="auto"`` can use the measured GPU curve.
+The profile (JSON) carries the round costs per model as ``cost_models`` (one per context length, in the form
+``ddtree.budget.CostModel`` reads), so ``budget="auto"`` can use the measured GPU curve without measuring:
+``AutoBudget.for_models(target, draft, profile="experiments/profiles/h200.json", context=prompt_len)`` or
+``CostModel.from_profile(path, context=...)``.
 """
 
 from __future__ import annotations
@@ -36,7 +48,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["QWEN3_4B", "QWEN3_8B", "TINY", "CheckConfig", "run_checks", "main"]
+__all__ = ["QWEN3_4B", "QWEN3_8B", "TINY", "MODELS", "CheckConfig", "run_checks", "main"]
 
 # Published Qwen3 shapes (config.json of Qwen/Qwen3-4B and Qwen/Qwen3-8B); weights are random.
 QWEN3_4B = dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -45,14 +57,16 @@ QWEN3_8B = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, 
                 intermediate_size=12288, vocab_size=151936, rope_theta=1_000_000.0)
 TINY = dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             intermediate_size=128, vocab_size=512, rope_theta=1_000_000.0)
+MODELS = {"qwen3-4b": QWEN3_4B, "qwen3-8b": QWEN3_8B}
 
 
 @dataclass(frozen=True)
 class CheckConfig:
-    models: tuple[tuple[str, dict], ...] = (("qwen3-4b", QWEN3_4B), ("qwen3-8b", QWEN3_8B))
+    models: tuple[tuple[str, dict], ...] = (("qwen3-8b", QWEN3_8B),)
     dtype: torch.dtype = torch.bfloat16
-    fp32_lossless_model: str | None = "qwen3-4b"  # also run the losslessness check in fp32 on this model
-    context: int = 512
+    fp32_lossless_model: str | None = "qwen3-8b"  # also run the losslessness check in fp32 on this model
+    context: int = 512  # oracle, drafter cost
+    contexts: tuple[int, ...] = (512, 4096)  # verify cost curves and round costs (the 1-6K-token contexts of a run)
     nodes: tuple[int, ...] = tuple(2 ** k for k in range(11))  # 1 .. 1024 appended tokens
     repeats: int = 7
     warmups: int = 2
@@ -69,6 +83,7 @@ class CheckConfig:
 
 
 TINY_CHECK = CheckConfig(models=(("tiny", TINY),), dtype=torch.float32, fp32_lossless_model=None, context=64,
+                         contexts=(64, 128),
                          nodes=(1, 2, 4, 8, 16, 32, 64), repeats=3, warmups=1, oracle_budget=24, lossless_prompts=2,
                          lossless_prompt_len=16, lossless_tokens=12, lossless_budgets=("chain", 8),
                          draft_layers=1, draft_taps=2, block_size=8, tree_budgets=(8, 32), time_limit_s=120.0)
@@ -93,7 +108,7 @@ def build_target(shape: dict, dtype: torch.dtype, device: torch.device, seed: in
 
 
 def build_draft(target, config: CheckConfig):
-    from experiments.benchmark import random_draft
+    from experiments.models import random_draft
 
     return random_draft(target, layers=config.draft_layers, taps=config.draft_taps, block_size=config.block_size)
 
@@ -174,14 +189,15 @@ def lossless_check(target, draft, config: CheckConfig) -> dict[str, Any]:
 
 
 @torch.inference_mode()
-def verify_curve(target, layer_ids, config: CheckConfig, device: torch.device) -> dict[str, Any]:
+def verify_curve(target, layer_ids, config: CheckConfig, device: torch.device,
+                 context: int | None = None) -> dict[str, Any]:
     """Median ms of one target forward appending N tokens (tree mask and causal) to a ``context``-token cache."""
     from ddtree import build_tree
     from dflash_core import TargetAdapter
     from dflash_core.decoding import compile_proposal
 
     adapter = TargetAdapter(target, layer_ids)
-    vocab, ctx = adapter.vocab_size, config.context
+    vocab, ctx = adapter.vocab_size, context or config.context
     gen = torch.Generator().manual_seed(3)
     cache = adapter.new_cache()
     adapter.forward(torch.randint(0, vocab, (ctx,), generator=gen), torch.arange(ctx), cache)
@@ -249,13 +265,14 @@ def draft_cost(target, draft, config: CheckConfig, device: torch.device) -> dict
             "context_prefill_ms": prefill_ms, "pass_ms": pass_ms, "lm_head_ms": head_ms, "build_tree_ms": build_ms}
 
 
-def cost_model(curve: dict[str, Any], drafter: dict[str, Any]) -> dict[str, Any]:
-    """The measured curve in ``ddtree.budget.CostModel``'s JSON form (seconds; nodes = appended tokens - 1)."""
-    build = drafter["build_tree_ms"]
-    build_ms = build.get("64", next(iter(build.values()), 0.0))
-    fixed_ms = drafter["pass_ms"] + drafter["lm_head_ms"] + build_ms
-    return {"nodes": [n - 1 for n in curve["appended_tokens"]],
-            "verify_s": [ms / 1000 for ms in curve["tree_median_ms"]], "fixed_s": fixed_ms / 1000, "key": "gpu_check"}
+def round_costs(target, draft, config: CheckConfig) -> dict[str, Any]:
+    """``ddtree.budget.measure_cost_model`` at every context length: the curves ``budget="auto"`` reads."""
+    from ddtree.budget import measure_cost_model
+
+    grid = tuple(n - 1 for n in config.nodes)  # tree nodes (the root is the extra token)
+    curves = [measure_cost_model(target, draft, grid=grid, context=ctx, repeats=config.repeats, use_cache=False,
+                                 cap=max(grid)).to_json() for ctx in config.contexts]
+    return {"cost_models": curves}
 
 
 # ---------------------------------------------------------------------------------------------------- the run
@@ -287,10 +304,14 @@ def run_checks(config: CheckConfig, device: torch.device) -> dict[str, Any]:
         results["target_params"] = sum(p.numel() for p in target.parameters())
         step(results, "oracle", lambda: oracle_check(target, layer_ids, config, device))
         step(results, "lossless", lambda: lossless_check(target, draft, config))
-        step(results, "verify_cost", lambda: verify_curve(target, layer_ids, config, device))
+        step(results, "verify_cost", lambda: verify_curve(target, layer_ids, config, device, config.contexts[0]))
+        for ctx in config.contexts[1:]:
+            step(results, f"verify_cost_{ctx}", lambda ctx=ctx: verify_curve(target, layer_ids, config, device, ctx))
         step(results, "draft_cost", lambda: draft_cost(target, draft, config, device))
-        if "tree_median_ms" in results["verify_cost"] and "pass_ms" in results["draft_cost"]:
-            results["cost_model"] = cost_model(results["verify_cost"], results["draft_cost"])
+        step(results, "round_cost", lambda: round_costs(target, draft, config))
+        if results["round_cost"].get("cost_models"):
+            results["cost_models"] = results["round_cost"]["cost_models"]
+            results["cost_model"] = results["cost_models"][0]
         del target, draft
         if config.fp32_lossless_model == name:
             log(f"{name}: losslessness again in fp32 (tells numeric near-ties in bf16 from real bugs)")
@@ -321,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="profile JSON to write, e.g. experiments/profiles/h200.json")
     parser.add_argument("--tiny", action="store_true", help="a tiny random model instead of the Qwen3 shapes")
     parser.add_argument("--allow-cpu", action="store_true", help="run on CPU (only together with --tiny)")
-    parser.add_argument("--models", default=None, help="subset of qwen3-4b,qwen3-8b (default: both)")
+    parser.add_argument("--models", default=None,
+                        help="comma-separated subset of qwen3-4b,qwen3-8b (default: qwen3-8b)")
     parser.add_argument("--time-limit", type=float, default=None, help="seconds before remaining steps are skipped")
     args = parser.parse_args(argv)
 
@@ -338,13 +360,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny and device.type == "cuda":
         config = dataclasses.replace(config, dtype=torch.bfloat16)
     if args.models and not args.tiny:
-        known = dict(config.models)
         wanted = [m.strip() for m in args.models.split(",") if m.strip()]
-        unknown = [m for m in wanted if m not in known]
+        unknown = [m for m in wanted if m not in MODELS]
         if unknown:
-            print(f"gpu_check: unknown model(s) {unknown}; known: {', '.join(known)}", file=sys.stderr)
+            print(f"gpu_check: unknown model(s) {unknown}; known: {', '.join(MODELS)}", file=sys.stderr)
             return 2
-        config = dataclasses.replace(config, models=tuple((m, known[m]) for m in wanted))
+        config = dataclasses.replace(config, models=tuple((m, MODELS[m]) for m in wanted),
+                                     fp32_lossless_model=config.fp32_lossless_model if config.fp32_lossless_model
+                                     in wanted else wanted[0])
     if args.time_limit is not None:
         config = dataclasses.replace(config, time_limit_s=args.time_limit)
 

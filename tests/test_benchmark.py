@@ -211,6 +211,12 @@ def test_gpu_check_tiny_cpu_path_writes_a_profile(tmp_path):
     assert all(ms > 0 for ms in curve["tree_median_ms"]) and tiny["draft_cost"]["pass_ms"] > 0
     cost = tiny["cost_model"]
     assert cost["nodes"][0] == 0 and cost["nodes"] == sorted(cost["nodes"]) and cost["fixed_s"] > 0
+    # verify curves and round costs at both context lengths; budget="auto" reads the profile
+    assert [c["context"] for c in tiny["cost_models"]] == [64, 128]
+    assert len(tiny["verify_cost_128"]["tree_median_ms"]) == 7
+    from ddtree.budget import CostModel
+
+    assert CostModel.from_profile(path, context=100).context == 128
     assert profile["schema"] == "ddtree-gpu-profile/1" and profile["device"].startswith("cpu")
 
 

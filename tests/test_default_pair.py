@@ -48,8 +48,9 @@ def test_load_default_pair_offline_with_dtype_override(fp32_pair):
 
 
 def assert_equal_up_to_fp32_ties(target, ids, ref: list[int], got: list[int], tol: float = 1e-4) -> None:
-    """Equal, or the first difference sits on an exact fp32 tie of the target (the tree mask path and the one-token
-    path differ by ~1e-5 in fp32; one such tie, margin 2e-6, was seen on the GSM8K prompt below)."""
+    """Equal, or the first difference sits on an exact fp32 tie of the target (multi-token and one-token forwards
+    differ by ~1e-5 in fp32, chain and tree alike; ties seen: margin 2e-6 on the GSM8K prompt with a tree on an AMD
+    EPYC, and one on a chain on an Intel Xeon with AMX). The margin is printed so a run can report it."""
     if got == ref:
         return
     k = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
@@ -57,6 +58,7 @@ def assert_equal_up_to_fp32_ties(target, ids, ref: list[int], got: list[int], to
     with torch.no_grad():
         logits = target(torch.cat([ids[0], torch.tensor(ref[:k], dtype=torch.long)])[None]).logits[0, -1].float()
     margin = abs(float(logits[ref[k]] - logits[got[k]]))
+    print(f"fp32 tie at token {k}: logit margin {margin:.2e}")
     assert margin < tol, f"mismatch at token {k} with a logit margin of {margin:.2e}: not a numerical tie"
 
 
@@ -73,7 +75,7 @@ def test_greedy_dflash_and_ddtree_equal_autoregressive_in_fp32(fp32_pair):
         ids = torch.tensor([build_chat(tokenizer, [text])])
         ref = autoregressive_generate(target, ids, max_new_tokens=48, stop_token_ids=stops)
         out = dflash_generate(target, draft, ids, max_new_tokens=48, stop_token_ids=stops)
-        assert out.new_token_ids == ref.new_token_ids, text
+        assert_equal_up_to_fp32_ties(target, ids, ref.new_token_ids, out.new_token_ids)
         chain += out.acceptance_lengths
         out = ddtree_generate(target, draft, ids, budget=16, max_new_tokens=48, stop_token_ids=stops)
         assert_equal_up_to_fp32_ties(target, ids, ref.new_token_ids, out.new_token_ids)

@@ -52,7 +52,7 @@ class Corpus:
 
 def load_corpus(folder: str | Path, tokenizer, seed: int = 0, exclude: Iterable[str] = ()) -> Corpus:
     """Every sample of every complete shard in ``folder`` (keys in ``exclude`` left out)."""
-    from experiments.datasets import build_chat
+    from ..data import build_chat
 
     from ..train_data import build_prompts
 

@@ -48,7 +48,7 @@ def prompt_plan(seed: int, passes: int):
 
 def _worker(index: int, a: argparse.Namespace) -> None:
     torch.set_num_threads(a.threads)
-    from experiments.datasets import build_chat
+    from ..data import build_chat
 
     from ..default import load_default_target, stop_token_ids
 

