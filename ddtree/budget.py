@@ -22,7 +22,6 @@ import hashlib
 import json
 import math
 import os
-import platform
 import statistics
 import time
 from collections import deque
@@ -116,13 +115,9 @@ class CostModel:
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
+    from dflash_core.timing import cpu_model
+
+    return cpu_model()
 
 
 def _cost_key(target, draft, device: torch.device, dtype: torch.dtype) -> str:

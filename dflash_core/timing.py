@@ -9,7 +9,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["StageTimer"]
+__all__ = ["StageTimer", "cpu_model"]
 
 
 class StageTimer:
@@ -52,3 +52,17 @@ class StageTimer:
                 self._seconds[name] += start.elapsed_time(end) / 1000.0
             self._events.clear()
         return dict(self._seconds)
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or the platform's processor string; every speed figure names it."""
+    import platform
+    from pathlib import Path
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"

@@ -194,13 +194,9 @@ def pick_device(name: str, rank: RankInfo) -> torch.device:
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"cpu ({line.split(':', 1)[1].strip()}, {torch.get_num_threads()} threads)"
-    except OSError:
-        pass
-    return f"cpu ({torch.get_num_threads()} threads)"
+    from dflash_core.timing import cpu_model
+
+    return f"cpu ({cpu_model()}, {torch.get_num_threads()} threads)"
 
 
 # ---------------------------------------------------------------------------------------------------- records on disk

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
@@ -109,8 +108,9 @@ def main(argv=None) -> None:
             if a.check_ar:
                 entry["matches_ar"] = f"{sum(bool(r['matches_ar']) for r in mine)}/{len(mine)}"
             summary[key] = entry
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "unknown") if os.path.exists("/proc/cpuinfo") else "unknown"
+    from dflash_core.timing import cpu_model
+
+    cpu = cpu_model()
     result = {"summary": summary, "rows": rows, "dtype": str(dtype), "cpu": cpu, "threads": torch.get_num_threads(),
               "max_new_tokens": a.max_new_tokens, "prompts": len(prompts), "cast_inv_freq": a.cast_inv_freq}
     print(f"tau (greedy, {a.max_new_tokens} tokens, {len(prompts)} prompts, {dtype}, {cpu}):")

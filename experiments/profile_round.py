@@ -17,28 +17,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
 import torch
 
 
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
 def _load(pair: str, dtype_name: str):
     from dflash_core.default import default_dtype, load_default_pair, stop_token_ids
 
     if pair == "tiny":
-        from .benchmark import random_draft, tiny_target
+        from .models import random_draft, tiny_target
 
         target = tiny_target()
         draft = random_draft(target, layers=1, taps=2, block_size=8)
@@ -110,6 +99,7 @@ def main(argv=None) -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     from dflash_core import autoregressive_generate
+    from dflash_core.timing import cpu_model
 
     from ddtree import ddtree_generate
     from ddtree.budget import measure_cost_model
@@ -158,7 +148,7 @@ def main(argv=None) -> None:
                         **{f"{s}_ms": 1000 * e[s] / rounds for s in ("draft", "tree", "verify", "commit")},
                         "mean_nodes": mean_nodes, "tokens_per_s": tps, "speedup": speedup,
                         "speed_of_light": None if speedup is None else speedup / ideal}
-    result = {"cpu": _cpu(), "dtype": str(target.dtype), "threads": torch.get_num_threads(), "pair": a.pair,
+    result = {"cpu": cpu_model(), "dtype": str(target.dtype), "threads": torch.get_num_threads(), "pair": a.pair,
               "prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "methods": rows,
               "draft_split": split, "verify_curve_ms": {str(n): 1000 * v for n, v in zip(cost.nodes, cost.verify_s)},
               "hf_generate_tokens_per_s": hf_tps, "ar_tokens_per_s": ar_tps}

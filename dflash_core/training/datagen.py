@@ -15,27 +15,17 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import random
 import time
 from pathlib import Path
 
 import torch
 
+from ..timing import cpu_model
 from .generate import fast_decoding, generate_batch, teacher_forced_ceiling
 from .shards import ShardSample, done_prompt_keys, target_fingerprint, write_shard
 
 __all__ = ["main", "prompt_plan"]
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def prompt_plan(seed: int, passes: int):
@@ -97,7 +87,7 @@ def _worker(index: int, a: argparse.Namespace) -> None:
                     "taps": layer_ids, "max_new_tokens": a.max_new_tokens, "temperature": temperature,
                     "top_p": a.top_p if sampled else 1.0, "topk": a.topk, "seed": a.seed, "pass": batch[0][2],
                     "batch_size": len(batch), "dtype": a.dtype, "threads": a.threads, "workers": a.workers,
-                    "cpu": _cpu_model(), "torch": torch.__version__, "seconds": dt,
+                    "cpu": cpu_model(), "torch": torch.__version__, "seconds": dt,
                     "response_tokens_per_s": n_tok / dt, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
                 }
                 name = f"shard-{time.strftime('%Y%m%d%H%M%S')}-w{index}-{b0 // a.batch + w // a.batch:05d}"
@@ -136,7 +126,7 @@ def main(argv=None) -> None:
         torch.set_num_threads(a.threads * a.workers)
         target, _ = load_default_target(torch.bfloat16 if a.dtype == "bf16" else torch.float32)
         rate = teacher_forced_ceiling(target, 8, 320)
-        print(json.dumps({"ceiling_tokens_per_s": rate, "threads": torch.get_num_threads(), "cpu": _cpu_model(),
+        print(json.dumps({"ceiling_tokens_per_s": rate, "threads": torch.get_num_threads(), "cpu": cpu_model(),
                           "dtype": a.dtype, "batch": 8, "length": 320}))
         return
     if a.workers > 1:

@@ -10,7 +10,6 @@ softmax over it), and optionally starts from an existing drafter (``--init``). R
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import random
 import shutil
