@@ -366,7 +366,9 @@ class DFlashDraftModel(nn.Module):
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         extra = dict(self.config.extra)
-        state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in self.state_dict().items()}
+        # integer buffers (the draft vocabulary's token ids) keep their dtype: a bf16 cast would round ids above 256
+        state = {k: v.detach().to(dtype if dtype is not None and v.is_floating_point() else v.dtype).contiguous().cpu()
+                 for k, v in self.state_dict().items()}
         extra["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
         config = DFlashConfig(**{**self.config.__dict__, "extra": extra})
         tmp = folder / "model.safetensors.tmp"
@@ -409,7 +411,7 @@ def load_draft(folder: str | Path, device: str | torch.device | None = None,
             f"unexpected {sorted(unexpected)[:6]}"
         )
     model.load_state_dict(state, assign=True)  # the loaded tensors become the parameters (no copy)
-    first = next(iter(state.values()))
+    first = next(v for v in state.values() if v.is_floating_point())  # the weights' dtype and device
     model.rotary.inv_freq = model.rotary._inv_freq().to(first.device)  # not in checkpoints: computed, float32
     return model.to(device=device, dtype=dtype or first.dtype).eval()
 

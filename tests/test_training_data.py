@@ -148,6 +148,18 @@ def test_draft_vocab_round_trips_and_decoding_stays_lossless(tmp_path):
     assert all(set(t.token_ids.tolist()) <= set(ids) for t in res.trees)  # trees only hold draft-vocabulary tokens
 
 
+def test_draft_vocab_ids_survive_a_bf16_export(tmp_path):
+    """The zoo ships bf16 weights; token ids above 256 are not representable in bf16 and must stay integers."""
+    target = make_target("llama", vocab=600, dtype=torch.float32)
+    draft = make_draft(target, block_size=4, dtype=torch.float32)
+    ids = [599, 257, 301, 2, 513]
+    draft.set_draft_vocab(torch.tensor(ids))
+    draft.save_pretrained(tmp_path / "d", dtype=torch.bfloat16)
+    loaded = load_draft(tmp_path / "d")
+    assert loaded.draft_vocab.tolist() == ids and loaded.draft_vocab.dtype == torch.long
+    assert next(loaded.parameters()).dtype == torch.bfloat16
+
+
 def test_draft_vocab_loss_is_the_exact_softmax_over_the_subset():
     target, draft = _vocab_pair()
     ids = torch.arange(0, 64, 3)
