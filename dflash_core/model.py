@@ -369,7 +369,7 @@ class DFlashDraftModel(nn.Module):
         # integer buffers (the draft vocabulary's token ids) keep their dtype: a bf16 cast would round ids above 256
         state = {k: v.detach().to(dtype if dtype is not None and v.is_floating_point() else v.dtype).contiguous().cpu()
                  for k, v in self.state_dict().items()}
-        extra["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+        extra["torch_dtype"] = str(next(v for v in state.values() if v.is_floating_point()).dtype).removeprefix("torch.")
         config = DFlashConfig(**{**self.config.__dict__, "extra": extra})
         tmp = folder / "model.safetensors.tmp"
         save_file(state, str(tmp), metadata={"format": "pt"})
