@@ -633,6 +633,15 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def export_drafter(folder: str | Path, dest: str | Path, log: Callable[[str], None] = print) -> None:
+    """Copy a saved drafter (config.json + model.safetensors) into ``dest``, e.g. the package zoo."""
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy2(Path(folder) / name, dest / name)
+    log(f"exported the drafter to {dest}")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     a = _parser().parse_args(argv)
     opts = dict(PRESETS[a.preset])
@@ -724,11 +733,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                    "options": opts, "total_minutes": (time.perf_counter() - t0) / 60}
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if a.export:
-            dest = Path(a.export)
-            dest.mkdir(parents=True, exist_ok=True)
-            for name in ("config.json", "model.safetensors"):
-                shutil.copy2(final / name, dest / name)
-            log(f"exported the drafter to {dest}")
+            export_drafter(final, a.export, log)
         if opts.get("bench_prompts"):
             final_draft = shipped_drafter(final, target)  # exactly what ships, on the target's device
             summary["benchmark_tau"] = benchmark_tau(

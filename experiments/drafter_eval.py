@@ -11,7 +11,6 @@ Drafters are evaluated interleaved per prompt, so machine noise hits them alike.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -118,9 +117,9 @@ def main(argv=None) -> None:
         print(f"  {key:40s} " + "  ".join(f"{g} {v:.3f}" if isinstance(v, float) else f"{g} {v}"
                                           for g, v in entry.items()))
     if a.out:
-        tmp = Path(a.out).with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=1) + "\n")
-        tmp.replace(a.out)
+        from .schema import write_json_atomic
+
+        write_json_atomic(a.out, result)
 
 
 if __name__ == "__main__":

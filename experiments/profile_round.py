@@ -16,9 +16,7 @@ drafter's layers and its LM head separately, the verify cost curve, and Hugging 
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
 
@@ -169,9 +167,9 @@ def main(argv=None) -> None:
         print(f"plain decoding {ar_tps:.1f} tok/s vs Hugging Face generate() {hf_tps:.1f} tok/s "
               f"({ar_tps / hf_tps:.2f}x)")
     if a.out:
-        tmp = Path(a.out).with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=1) + "\n")
-        tmp.replace(a.out)
+        from .schema import write_json_atomic
+
+        write_json_atomic(a.out, result)
 
 
 if __name__ == "__main__":

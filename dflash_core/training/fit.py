@@ -12,14 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import shutil
 import time
 from pathlib import Path
 
 import torch
 
 from ..model import DFlashDraftModel, load_draft
-from ..train import DraftSpec, TrainConfig, make_draft_config, setup_logging, tau_evaluator, train
+from ..train import DraftSpec, export_drafter, TrainConfig, make_draft_config, setup_logging, tau_evaluator, train
 from .corpus import build_draft_vocab, load_corpus, vocab_coverage
 
 __all__ = ["main"]
@@ -133,11 +132,7 @@ def main(argv=None) -> None:
                            if h["step"] % 25 == 0 or "tau" in h]}
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     if a.export:
-        dest = Path(a.export)
-        dest.mkdir(parents=True, exist_ok=True)
-        for name in ("config.json", "model.safetensors"):
-            shutil.copy2(final / name, dest / name)
-        log(f"exported the drafter to {dest}")
+        export_drafter(final, a.export, log)
     log(f"done: steps {state.step}, loss {summary['final_loss_last50']:.4f}, best tau {state.best_tau:.3f}")
 
 
