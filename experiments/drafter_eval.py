@@ -6,6 +6,11 @@ given: DFlash chain tau and DDTree B=32 tau (tau counts the bonus token; mean co
 rounds of a group), per group and overall, plus decode seconds. ``--check-ar`` also runs plain decoding and counts the
 outputs that equal it exactly (do this in fp32: bf16 multi-token and one-token forwards round differently).
 Drafters are evaluated interleaved per prompt, so machine noise hits them alike. Writes JSON with ``--out``.
+
+``--replay`` evaluates without running the decode loop: the target's greedy continuations are computed once (cached
+in ``--reference``) and every drafter's rounds are replayed from one batched drafter pass per prompt
+(:mod:`dflash_core.replay`; exact in fp32, within bf16 rounding otherwise). Seconds per drafter instead of minutes:
+the mode for ablations. It reports tau only (no timings).
 """
 
 from __future__ import annotations
@@ -30,6 +35,49 @@ def protocol_prompts(tokenizer) -> list[tuple[str, str, str, list[int]]]:
     return out
 
 
+def reference_continuations(target, prompts, max_new_tokens: int, stops, path: Path) -> dict[str, list[int]]:
+    """{dataset/sample_id: the target's greedy continuation}, cached in ``path`` per target fingerprint."""
+    import json
+
+    from dflash_core import autoregressive_generate
+    from dflash_core.training.shards import target_fingerprint
+
+    from .schema import write_json_atomic
+
+    key = target_fingerprint(target) + f"/{next(target.parameters()).dtype}/{max_new_tokens}/{sorted(stops)}"
+    cached = json.loads(path.read_text()) if path.exists() else {}
+    if cached.get("key") != key:
+        cached = {"key": key, "continuations": {}}
+    refs = cached["continuations"]
+    missing = [(name, sid, ids) for _, name, sid, ids in prompts if f"{name}/{sid}" not in refs]
+    for name, sid, ids in missing:
+        refs[f"{name}/{sid}"] = autoregressive_generate(target, torch.tensor([ids]), max_new_tokens,
+                                                        stop_token_ids=stops).new_token_ids
+    if missing:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, cached)
+    return refs
+
+
+def replay_rows(target, labels, drafts, budgets, prompts, refs, max_new_tokens: int, stops, t0: float) -> list[dict]:
+    """Rows like the decode loop's (rounds and tokens per prompt, drafter and budget) from offline replay."""
+    from ddtree.generate import make_policy
+    from dflash_core.replay import replay_policies
+
+    rows = []
+    for group, name, sid, ids in prompts:
+        full = torch.tensor(ids + refs[f"{name}/{sid}"])
+        for label, draft in zip(labels, drafts):
+            got = replay_policies(target, draft, {str(b): make_policy(b) for b in budgets}, full, len(ids),
+                                  max_new_tokens, stops)
+            for budget in budgets:
+                res = got[str(budget)]
+                rows.append({"group": group, "dataset": name, "sample_id": sid, "draft": label, "budget": budget,
+                             "rounds": len(res.acceptance_lengths), "tokens": sum(res.acceptance_lengths)})
+        print(f"[{time.perf_counter() - t0:.0f}s] {group}/{name}/{sid} replayed", flush=True)
+    return rows
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m experiments.drafter_eval", description=__doc__.split("\n\n")[0])
     p.add_argument("--draft", action="append", required=True, help="drafter folder (repeatable)")
@@ -44,9 +92,14 @@ def main(argv=None) -> None:
     p.add_argument("--vocab-sizes", default="",
                    help="also evaluate each drafter with its draft vocabulary cut to these sizes (its most frequent "
                         "tokens), e.g. 4096,8192; 'full' drops the draft vocabulary")
+    p.add_argument("--replay", action="store_true", help="replay rounds offline from cached greedy continuations")
+    p.add_argument("--reference", default=None,
+                   help="--replay: cache of the greedy continuations (default runs/protocol-reference-DTYPE-N.json)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
+    if a.replay and a.check_ar:
+        p.error("--check-ar compares decode-loop outputs with plain decoding; --replay has none (drop one)")
     if a.threads:
         torch.set_num_threads(a.threads)
     from dflash_core import autoregressive_generate, load_draft
@@ -77,7 +130,14 @@ def main(argv=None) -> None:
     prompts = protocol_prompts(tokenizer)[: a.limit]
     rows = []
     t0 = time.perf_counter()
-    for group, name, sid, ids in prompts:
+    if a.replay:
+        ref_path = Path(a.reference or f"runs/protocol-reference-{str(dtype).split('.')[-1]}-{a.max_new_tokens}.json")
+        refs = reference_continuations(target, prompts, a.max_new_tokens, stops, ref_path)
+        rows = replay_rows(target, labels, drafts, budgets, prompts, refs, a.max_new_tokens, stops, t0)
+        prompts_iter = []
+    else:
+        prompts_iter = prompts
+    for group, name, sid, ids in prompts_iter:
         x = torch.tensor([ids])
         ref = None
         if a.check_ar:
@@ -102,8 +162,9 @@ def main(argv=None) -> None:
                 sel = [r for r in mine if group == "all" or r["group"] == group]
                 entry[group] = sum(r["tokens"] for r in sel) / max(1, sum(r["rounds"] for r in sel))
             rounds = max(1, sum(r["rounds"] for r in mine))
-            entry["draft_ms_per_round"] = 1000 * sum(r["draft_s"] or 0 for r in mine) / rounds
-            entry["decode_s"] = sum(r["decode_s"] or 0 for r in mine)
+            if not a.replay:
+                entry["draft_ms_per_round"] = 1000 * sum(r["draft_s"] or 0 for r in mine) / rounds
+                entry["decode_s"] = sum(r["decode_s"] or 0 for r in mine)
             if a.check_ar:
                 entry["matches_ar"] = f"{sum(bool(r['matches_ar']) for r in mine)}/{len(mine)}"
             summary[key] = entry
@@ -111,8 +172,9 @@ def main(argv=None) -> None:
 
     cpu = cpu_model()
     result = {"summary": summary, "rows": rows, "dtype": str(dtype), "cpu": cpu, "threads": torch.get_num_threads(),
-              "max_new_tokens": a.max_new_tokens, "prompts": len(prompts), "cast_inv_freq": a.cast_inv_freq}
-    print(f"tau (greedy, {a.max_new_tokens} tokens, {len(prompts)} prompts, {dtype}, {cpu}):")
+              "max_new_tokens": a.max_new_tokens, "prompts": len(prompts), "cast_inv_freq": a.cast_inv_freq,
+              "mode": "replay" if a.replay else "decode loop"}
+    print(f"tau ({'replayed' if a.replay else 'decode loop'}, greedy, {a.max_new_tokens} tokens, {len(prompts)} prompts, {dtype}, {cpu}):")
     for key, entry in summary.items():
         print(f"  {key:40s} " + "  ".join(f"{g} {v:.3f}" if isinstance(v, float) else f"{g} {v}"
                                           for g, v in entry.items()))

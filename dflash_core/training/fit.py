@@ -13,6 +13,7 @@ import argparse
 import json
 import random
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,7 +22,57 @@ from ..model import DFlashDraftModel, load_draft
 from ..train import DraftSpec, export_drafter, TrainConfig, make_draft_config, setup_logging, tau_evaluator, train
 from .corpus import build_draft_vocab, load_corpus, vocab_coverage
 
-__all__ = ["main"]
+__all__ = ["TrainingData", "load_training_data", "main"]
+
+
+@dataclass
+class TrainingData:
+    sequences: list[tuple[torch.Tensor, int]]  # training (ids, prompt length), held-out samples removed
+    responses: list[list[int]]  # their response ids (for the draft vocabulary)
+    eval_prompts: list[list[int]]  # prompt ids of the held-out samples (tau evaluation during training)
+    held_responses: list[list[int]]
+    has_features: bool  # every sequence has target features kept at generation time
+    _sources: list = field(default_factory=list, repr=False)  # (corpus, index) per training sequence
+
+    def feature_source(self, j: int):
+        corpus, i = self._sources[j]
+        return corpus.feature_source(i)
+
+    @property
+    def response_tokens(self) -> int:
+        return sum(len(r) for r in self.responses)
+
+
+def load_training_data(folders, tokenizer, seed: int = 0, eval_prompts: int = 6, log=print) -> TrainingData:
+    """Every complete shard of ``folders``, minus ``eval_prompts`` samples held out (spread over the sources)."""
+    corpora = [load_corpus(d, tokenizer, seed) for d in folders]
+    sequences, sources, responses, refs = [], [], [], []
+    for folder, c in zip(folders, corpora):
+        if not c.has_features:  # e.g. the committed token shards: features come from a teacher-forced pass
+            log(f"data: some shards in {folder} keep no features; a teacher-forced target pass "
+                "computes them on first use")
+        log(f"data: {len(c.sequences)} sequences from {folder} ({c.skipped} skipped), base {len(sequences)}")
+        sequences += c.sequences
+        sources += c.sources
+        responses += c.responses
+        refs += [(c, i) for i in range(len(c.sequences))]
+    rng = random.Random(f"holdout:{seed}")
+    by_source: dict[str, list[int]] = {}
+    for i, src in enumerate(sources):
+        by_source.setdefault(src, []).append(i)
+    held: set[int] = set()
+    while len(held) < min(eval_prompts, len(sequences)):
+        for src in sorted(by_source):
+            if len(held) < eval_prompts:
+                held.add(rng.choice(by_source[src]))
+    train_idx = [i for i in range(len(sequences)) if i not in held]
+    data = TrainingData([sequences[i] for i in train_idx], [responses[i] for i in train_idx],
+                        [sequences[i][0][: sequences[i][1]].tolist() for i in sorted(held)],
+                        [responses[i] for i in sorted(held)], all(c.has_features for c in corpora),
+                        [refs[i] for i in train_idx])
+    log(f"data: {len(data.sequences)} training sequences, {data.response_tokens} response tokens, "
+        f"{len(held)} held out")
+    return data
 
 
 def main(argv=None) -> None:
@@ -61,33 +112,8 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     target, tokenizer = load_default_target(torch.bfloat16)
     stops = stop_token_ids(tokenizer)
-    corpora = [load_corpus(d, tokenizer, a.seed) for d in a.data]
-    sequences, keys, sources, responses, sources_feats = [], [], [], [], []
-    for folder, c in zip(a.data, corpora):
-        if not c.has_features:  # e.g. the committed token shards: features come from a teacher-forced pass
-            log(f"data: some shards in {folder} keep no features; a teacher-forced target pass "
-                "computes them on first use")
-        base = len(sequences)
-        sequences += c.sequences
-        keys += c.keys
-        sources += c.sources
-        responses += c.responses
-        sources_feats += [(c, i) for i in range(len(c.sequences))]
-        log(f"data: {len(c.sequences)} sequences from {folder} ({c.skipped} skipped), base {base}")
-    # hold out a few samples, spread over sources, for the tau evaluation during training
-    rng = random.Random(f"holdout:{a.seed}")
-    by_source: dict[str, list[int]] = {}
-    for i, s in enumerate(sources):
-        by_source.setdefault(s, []).append(i)
-    held: set[int] = set()
-    while len(held) < min(a.eval_prompts, len(sequences)):
-        for src in sorted(by_source):
-            if len(held) < a.eval_prompts:
-                held.add(rng.choice(by_source[src]))
-    train_idx = [i for i in range(len(sequences)) if i not in held]
-    eval_prompts = [sequences[i][0][: sequences[i][1]].tolist() for i in sorted(held)]
-    n_tokens = sum(len(responses[i]) for i in train_idx)
-    log(f"data: {len(train_idx)} training sequences, {n_tokens} response tokens, {len(held)} held out")
+    data = load_training_data(a.data, tokenizer, a.seed, a.eval_prompts, log)
+    eval_prompts, n_tokens = data.eval_prompts, data.response_tokens
 
     spec = DraftSpec(layers=a.layers, taps=a.taps, block_size=a.block_size, mask_token_id=a.mask_token_id)
     torch.manual_seed(a.seed)
@@ -98,9 +124,9 @@ def main(argv=None) -> None:
         draft = DFlashDraftModel(make_draft_config(target.config, spec))
     coverage = None
     if a.draft_vocab:
-        vocab = build_draft_vocab([responses[i] for i in train_idx], a.draft_vocab, always=stops)
+        vocab = build_draft_vocab(data.responses, a.draft_vocab, always=stops)
         draft.set_draft_vocab(vocab)
-        coverage = vocab_coverage([responses[i] for i in sorted(held)] or responses[:50], vocab)
+        coverage = vocab_coverage(data.held_responses or data.responses[:50], vocab)
         log(f"draft vocabulary: {len(vocab)} ids, held-out token coverage {coverage:.4f}")
     log(f"drafter: {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M parameters, "
         f"taps {list(draft.config.target_layer_ids)}")
@@ -109,23 +135,18 @@ def main(argv=None) -> None:
                       warmup_frac=a.warmup_frac, steps=a.steps, max_len=a.max_len, distill_weight=a.distill_weight,
                       distill_topk=8, loss_vocab=loss_vocab, eval_every=a.eval_every, eval_prompts=a.eval_prompts,
                       eval_new_tokens=64, seed=a.seed,
-                      cache_features=not all(c.has_features for c in corpora),  # keep recomputed features
+                      cache_features=not data.has_features,  # keep recomputed features
                       time_budget_s=a.minutes * 60 if a.minutes else None)
     evaluate = tau_evaluator(target, tokenizer, eval_prompts, cfg.eval_new_tokens, stops) if eval_prompts else None
 
-    def feature_source(j: int):
-        corpus, i = sources_feats[train_idx[j]]
-        return corpus.feature_source(i)
-
-    state = train(target, draft, [sequences[i] for i in train_idx], cfg, out, log, evaluate,
-                  feature_source=feature_source)
+    state = train(target, draft, data.sequences, cfg, out, log, evaluate, feature_source=data.feature_source)
     final = out / "drafter"
     draft.save_pretrained(final, dtype=torch.bfloat16)
     tail = state.history[-50:]
     summary = {"steps": state.step, "train_minutes": state.train_seconds / 60,
                "final_loss_last50": sum(h["loss"] for h in tail) / max(1, len(tail)),
                "final_acc1_last50": sum(h["acc1"] for h in tail) / max(1, len(tail)),
-               "best_eval_tau": state.best_tau, "sequences": len(train_idx), "response_tokens": n_tokens,
+               "best_eval_tau": state.best_tau, "sequences": len(data.sequences), "response_tokens": n_tokens,
                "draft_vocab": a.draft_vocab or None, "draft_vocab_coverage": coverage,
                "options": vars(a), "total_minutes": (time.perf_counter() - t0) / 60,
                "history": [{k: h[k] for k in h if k in ("step", "loss", "acc1", "tau")} for h in state.history

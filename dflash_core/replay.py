@@ -1,0 +1,139 @@
+"""Replay greedy speculative decoding offline: the rounds' acceptance from one batched drafter pass.
+
+At temperature 0 a lossless decoder outputs the target's greedy continuation, so the whole run is determined by it:
+a round whose root sits at sequence position ``a`` drafts from the target features of positions ``< a`` (exactly the
+context the drafter would have seen), the policy builds its tree from those draft logits, and the walk accepts the
+longest path that spells the continuation. The next root is the bonus token right after the accepted path. Given
+the continuation (plain decoding, once per prompt) and ONE teacher-forced target pass, every possible round start is
+drafted in one batched drafter forward (the training code's block attention mask), and the rounds are then replayed
+in order by the same policy and walk code the decode loop uses.
+
+In exact arithmetic the acceptance lengths equal those of :func:`dflash_core.decoding.speculative_generate`; in
+fp32/fp64 they match it exactly in the tests. In bf16 the decode loop's multi-token forwards round differently from
+one-token plain decoding, so its output (and tau) can drift from the replay's by a little. The gain: evaluating a
+drafter costs one drafter pass per prompt instead of a target forward per round, which makes ablations and
+frequent evaluation during training cheap.
+
+Only policies that do not look at time or at their own past acceptance are replayed faithfully (the chain and
+fixed-budget trees); an ``observe`` hook, if present, is still called after each round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .decoding import ProposalPolicy, verify_walk
+from .target import TargetAdapter
+
+__all__ = ["ReplayResult", "draft_hidden_all_rounds", "replay", "replay_policies"]
+
+
+@dataclass
+class ReplayResult:
+    acceptance_lengths: list[int]  # committed tokens per round (accepted draft tokens + the bonus), as the loop's
+    tree_sizes: list[int]
+
+    @property
+    def tau(self) -> float:
+        return sum(self.acceptance_lengths) / max(1, len(self.acceptance_lengths))
+
+
+@torch.no_grad()
+def draft_hidden_all_rounds(target, draft, ids: torch.Tensor, prompt_len: int, chunk: int = 64) -> torch.Tensor:
+    """[T - prompt_len, b - 1, hidden]: the drafter's output states for a round rooted at every response position.
+
+    ``ids`` [T] is the prompt followed by the target's continuation; row j belongs to the round whose root is
+    ``ids[prompt_len + j]`` (context: target features of positions < prompt_len + j). One teacher-forced target pass,
+    then drafter passes over ``chunk`` blocks at a time.
+    """
+    from .train import block_attention_mask, block_inputs
+
+    adapter = TargetAdapter(target, draft.config.target_layer_ids)
+    device = adapter.device
+    ids = ids.to(device)
+    t = ids.shape[0]
+    if not 0 < prompt_len < t:
+        raise ValueError(f"need 0 < prompt_len < len(ids), got prompt_len={prompt_len}, len(ids)={t}")
+    out = target(input_ids=ids[None], output_hidden_states=True, use_cache=False)
+    feats = torch.cat([out.hidden_states[i + 1][0] for i in draft.config.target_layer_ids], dim=-1)  # [T, taps*H]
+    d_param = next(draft.parameters())
+    b = draft.block_size
+    anchors_all = torch.arange(prompt_len, t, device=device)
+    parts = []
+    for lo in range(0, len(anchors_all), chunk):
+        anchors = anchors_all[lo: lo + chunk]
+        n_ctx = int(anchors.max())
+        tokens, positions, _ = block_inputs(ids, anchors, b, draft.mask_token_id)
+        mask = block_attention_mask(anchors, b, n_ctx, device=d_param.device)[None, None]
+        hidden = draft(adapter.embed(tokens)[None].to(d_param.device, d_param.dtype),
+                       feats[:n_ctx][None].to(d_param.device), positions.to(d_param.device),
+                       torch.arange(n_ctx, device=d_param.device), attn_mask=mask)  # [1, A*b, H]
+        parts.append(hidden[0].view(len(anchors), b, -1)[:, 1:])
+    return torch.cat(parts)
+
+
+@torch.no_grad()
+def replay(target, draft, policy: ProposalPolicy, ids: torch.Tensor, prompt_len: int, max_new_tokens: int,
+           stop_token_ids: Sequence[int] | None = None, hidden: torch.Tensor | None = None) -> ReplayResult:
+    """Replay greedy decoding of ``ids[prompt_len:]`` (the target's greedy continuation) with ``policy``.
+
+    ``hidden`` may pass :func:`draft_hidden_all_rounds`' result to replay several policies from one drafter pass.
+    The continuation must be what plain greedy decoding produced (it ends at a stop token or ``max_new_tokens``).
+    """
+    ids = ids.cpu()
+    t = ids.shape[0]
+    if hidden is None:
+        hidden = draft_hidden_all_rounds(target, draft, ids, prompt_len)
+    adapter = TargetAdapter(target, ())
+    stops = set(stop_token_ids or ())
+    vocab = adapter.vocab_size
+    history = ids[: prompt_len + 1].tolist()
+    generated = 1  # the prefill's token (the first root) is not a round
+    done = history[-1] in stops or max_new_tokens <= 1
+    anchor = prompt_len
+    result = ReplayResult([], [])
+    observe = getattr(policy, "observe", None)
+    while not done:
+        if anchor - prompt_len >= len(hidden):
+            raise ValueError("the continuation ended before max_new_tokens without a stop token: pass the full "
+                             "greedy continuation (plain decoding with the same stop tokens and max_new_tokens)")
+        draft_logits = adapter.lm_head(hidden[anchor - prompt_len].to(adapter.device), draft)  # [b-1, V]
+        proposal = policy.propose(draft_logits, history)
+        # the target's greedy choice after a node at depth d is the continuation's token at anchor + d + 1 (only
+        # nodes on the continuation's path are ever reached by the walk); past the end: a token no child carries
+        depths = torch.cat([torch.zeros(1, dtype=torch.long), proposal.depths.cpu().long()])
+        nxt = anchor + depths + 1
+        choice = torch.where(nxt < t, ids[nxt.clamp(max=t - 1)], torch.full_like(nxt, -1))
+        logits = torch.zeros(len(depths), vocab)
+        logits[choice >= 0, choice[choice >= 0]] = 1.0
+        logits[choice < 0, 0] = 1.0  # only past the last committed token: truncated below
+        path, bonus = verify_walk(proposal, logits, 0.0, None)
+        if observe is not None:
+            observe(len(path))
+        committed = [int(proposal.token_ids[i]) for i in path] + [bonus]
+        for k, token in enumerate(committed):
+            history.append(token)
+            generated += 1
+            if token in stops or generated >= max_new_tokens:
+                committed, done = committed[: k + 1], True
+                break
+        if anchor + len(committed) >= t:
+            raise ValueError("the continuation ended before max_new_tokens without a stop token: pass the full "
+                             "greedy continuation (plain decoding with the same stop tokens and max_new_tokens)")
+        if committed != ids[anchor + 1: anchor + 1 + len(committed)].tolist():
+            raise AssertionError("replay left the continuation: the policy or walk is not greedy")
+        result.acceptance_lengths.append(len(committed))
+        result.tree_sizes.append(len(proposal.token_ids))
+        anchor += len(committed)
+    return result
+
+
+def replay_policies(target, draft, policies: dict[str, ProposalPolicy], ids: torch.Tensor, prompt_len: int,
+                    max_new_tokens: int, stop_token_ids: Sequence[int] | None = None) -> dict[str, ReplayResult]:
+    """Replay several policies from one drafter pass over ``ids``."""
+    hidden = draft_hidden_all_rounds(target, draft, ids, prompt_len)
+    return {name: replay(target, draft, pol, ids, prompt_len, max_new_tokens, stop_token_ids, hidden)
+            for name, pol in policies.items()}
