@@ -80,7 +80,8 @@ def load_default_pair(dtype: torch.dtype | None = None, device: str | torch.devi
     folder = Path(draft_dir) if draft_dir else DEFAULT_DRAFT_DIR
     if not (folder / "model.safetensors").is_file():
         raise FileNotFoundError(
-            f"no drafter weights in {folder}; train one with `python -m dflash_core.train` (see MODEL_CARD.md)"
+            f"no drafter weights in {folder}; train one with `python -m dflash_core.training.datagen`, then "
+            f"`python -m dflash_core.training.fit` (see MODEL_CARD.md)"
         )
     draft = load_draft(folder, device=device, dtype=target.dtype)
     check_compatibility(target, draft)

@@ -49,7 +49,7 @@ def draft_hidden_all_rounds(target, draft, ids: torch.Tensor, prompt_len: int, c
     ``ids[prompt_len + j]`` (context: target features of positions < prompt_len + j). One teacher-forced target pass,
     then drafter passes over ``chunk`` blocks at a time.
     """
-    from .train import block_attention_mask, block_inputs
+    from .training.blocks import block_attention_mask, block_inputs
 
     adapter = TargetAdapter(target, draft.config.target_layer_ids)
     device = adapter.device

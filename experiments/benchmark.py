@@ -272,6 +272,32 @@ def write_manifest(folder: Path, preset: Preset, models: Models, rank: RankInfo,
     manifest.write(folder / MANIFEST_FILENAME)
 
 
+def explain_cost_curve(verify_s: dict[int, float], fixed_s: float) -> str:
+    """One line on why trees pay or not on this machine, from round costs at N draft nodes (N = 0: one token)."""
+    one = verify_s[0]
+    r8, r32 = verify_s[8] / one, verify_s[32] / one
+    if r32 <= 1.5:
+        verdict = "big trees are nearly free to verify here: large budgets win"
+    elif r8 <= 1.5:
+        verdict = "verifying up to ~8 nodes is cheap, more is not: mid-size trees (8-16) win"
+    else:
+        verdict = "every verified node costs: small trees win"
+    return (f"this machine verifies 8 draft tokens at {r8:.2f}x and 32 at {r32:.2f}x the cost of one token; the "
+            f"drafter pass and tree cost {fixed_s / one:.2f} of a plain step: {verdict}")
+
+
+def machine_cost_curve(models: Models, context: int = 256) -> dict[str, Any]:
+    """The measured round cost curve of this machine (``ddtree.budget.measure_cost_model``, cached per machine) as
+    plain data for the manifest, with the one-line explanation."""
+    from ddtree.budget import measure_cost_model
+
+    cost = measure_cost_model(models.target, models.draft, context=context)
+    verify = {int(n): float(v) for n, v in zip(cost.nodes, cost.verify_s)}
+    return {"context": context, "nodes": list(verify), "verify_s": list(verify.values()), "fixed_s": cost.fixed_s,
+            "relative_to_one_token": {n: round(v / verify[0], 3) for n, v in verify.items()},
+            "explanation": explain_cost_curve(verify, cost.fixed_s)}
+
+
 def finish_manifest(folder: Path, complete: bool) -> None:
     """Stamp the end of this session into the manifest (a session without it crashed or was killed)."""
     manifest = Manifest.read(folder / MANIFEST_FILENAME)
@@ -329,6 +355,7 @@ def _record(variant: Variant, conv: Conversation, turn: int, result, seed: int, 
     if reference is not None and variant.method != "ar":
         extra["first_mismatch"] = first_mismatch(out, reference)  # where a bf16 near-tie flipped the argmax
         matches_ar = extra["first_mismatch"] is None
+    extra["target_forwards"] = 1 + len(result.acceptance_lengths)  # the prefill, then one verify per round
     if variant.method != "ar":
         extra[EXTRA_TREE_SIZES] = list(result.tree_sizes)
         extra["expected_acceptance"] = [round(float(x), 4) for x in result.expected_acceptance]
@@ -445,6 +472,10 @@ def run_pair(preset: Preset, pair: ModelPair, folder: Path, *, device: torch.dev
         f"{str(models.dtype).removeprefix('torch.')}; variants: {', '.join(v.label for v in variants)}")
     session_info = {"started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command_line": list(command_line),
                     "rank_world": rank.world}
+    if rank.is_main and models.draft is not None and any(v.method != "ar" for v in variants):
+        curve = machine_cost_curve(models)
+        session_info["cost_curve"] = curve
+        log(f"{pair.slug}: {curve['explanation']}")
     if rank.is_main:
         write_manifest(folder, preset, models, rank, previous, session_info)
 
@@ -494,6 +525,7 @@ def run_benchmark(preset: Preset, out: str | Path, *, max_generations: int | Non
     """Run every model pair of ``preset`` into ``out``; returns True when all records are done. Rank 0 merges
     per-rank records and prints the summary table."""
     from plots import summary_table
+    from plots.tables import stage_table
 
     rank = rank or RankInfo.from_env()
     out = Path(out)
@@ -511,6 +543,11 @@ def run_benchmark(preset: Preset, out: str | Path, *, max_generations: int | Non
                     records = read_records(path)
                     print(f"\n## {pair.slug}: {pair.target} + {pair.draft} ({len(records)} records)\n", flush=True)
                     print(summary_table(records), flush=True)
+                    curve = (Manifest.read(folder / MANIFEST_FILENAME).extra.get("sessions") or [{}])[-1].get(
+                        "cost_curve") if (folder / MANIFEST_FILENAME).is_file() else None
+                    if curve:
+                        print(f"why: {curve['explanation']}\n", flush=True)
+                    print("Where a round's time goes (all datasets):\n\n" + stage_table(records), flush=True)
                     print(f"records:  {path}\nmanifest: {folder / MANIFEST_FILENAME}\n"
                           f"figures:  python plot_results.py --runs {folder}", flush=True)
             if not finished and rank.world == 1:

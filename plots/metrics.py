@@ -4,9 +4,12 @@ Per (dataset, temperature) and method variant (method, policy, budget, tree kind
 
 - speedup = AR time per token ÷ variant time per token, token-weighted over the (sample, turn) pairs that both AR
   and the variant finished: ``(Σ ar.decode_s / Σ ar.num_new_tokens) / (Σ m.decode_s / Σ m.num_new_tokens)``;
-  the spread is over per-sample speedups ``(ar.decode_s / ar.n) / (m.decode_s / m.n)`` (median, quartiles);
+  the spread is over per-sample (per-prompt, paired with AR) speedups ``(ar.decode_s / ar.n) / (m.decode_s / m.n)``:
+  median, quartiles, and a percentile-bootstrap 95% interval of the median (an interval that contains 1 means "not
+  distinguishable from AR" at this sample size);
 - τ = Σ acceptance lengths ÷ number of rounds, over all rounds of all the variant's records;
 - exact-match rate = mean of ``matches_ar`` over the records where it is not None;
+- per-depth acceptance = share of rounds whose accepted path reached depth d; target forwards = prefill + rounds;
 - the oracle budget is the fixed DDTree budget with the highest speedup, chosen after the fact (among top-K trees;
   sampled trees, ``tree="sampled"``, are shown next to the top-K tree at the same budgets, never as the oracle).
 """
@@ -14,6 +17,7 @@ Per (dataset, temperature) and method variant (method, policy, budget, tree kind
 from __future__ import annotations
 
 import dataclasses
+import random
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
@@ -66,6 +70,16 @@ class Stats:
     mean_tree_size: float | None  # mean verified nodes per round, from extra["tree_sizes"] when recorded
     oracle: bool = False
     tree: str | None = None  # DDTree tree kind ("topk", "sampled"); None for AR and DFlash
+    speedup_ci_low: float | None = None  # bootstrap 95% interval of the per-prompt median speedup
+    speedup_ci_high: float | None = None
+    acceptance_by_depth: tuple[float, ...] = ()  # [d-1]: share of rounds that accepted a draft token at depth d
+    target_forwards: int | None = None  # target forward passes (prefill included) over all records
+
+    @property
+    def within_noise(self) -> bool:
+        """True when the per-prompt speedup's 95% interval contains 1.0 (not distinguishable from AR)."""
+        return (self.speedup_ci_low is not None and self.speedup_ci_high is not None
+                and self.speedup_ci_low <= 1.0 <= self.speedup_ci_high)
 
     @property
     def is_fixed_tree(self) -> bool:
@@ -94,6 +108,36 @@ def _quartiles(values: list[float]) -> tuple[float, float, float] | tuple[None, 
         return values[0], values[0], values[0]
     q25, q50, q75 = statistics.quantiles(values, n=4, method="inclusive")
     return q50, q25, q75
+
+
+def bootstrap_median_ci(values: list[float], level: float = 0.95, resamples: int = 2000,
+                        seed: int = 0) -> tuple[float, float] | tuple[None, None]:
+    """Percentile-bootstrap interval of the median of ``values`` (fixed seed: the same records give the same
+    interval). One value gives a zero-width interval; none gives (None, None)."""
+    if not values:
+        return None, None
+    if len(values) == 1:
+        return values[0], values[0]
+    rng = random.Random(seed)
+    n = len(values)
+    medians = sorted(statistics.median(rng.choices(values, k=n)) for _ in range(resamples))
+    tail = (1 - level) / 2
+    return medians[int(tail * (resamples - 1))], medians[int(round((1 - tail) * (resamples - 1)))]
+
+
+def acceptance_by_depth(lengths: Iterable[int]) -> tuple[float, ...]:
+    """[d-1] = share of rounds whose accepted path reached depth d (committed tokens - 1 >= d), d = 1..max."""
+    lengths = list(lengths)
+    if not lengths:
+        return ()
+    deepest = max(lengths) - 1
+    return tuple(sum(1 for n in lengths if n - 1 >= d) / len(lengths) for d in range(1, deepest + 1))
+
+
+def target_forwards(record: SampleRecord) -> int:
+    """Target forward passes of one record: as recorded, else the prefill plus one per round."""
+    recorded = record.extra.get("target_forwards")
+    return int(recorded) if recorded is not None else 1 + len(record.acceptance_lengths)
 
 
 def _sample_key(record: SampleRecord) -> tuple:
@@ -133,6 +177,7 @@ def _variant_stats(dataset: str, temperature: float, method: str, policy: str, b
     per_sample = sorted((a.decode_s / a.num_new_tokens) / (m.decode_s / m.num_new_tokens)
                         for a, m in pairs if m.decode_s > 0)
     median, q25, q75 = _quartiles(per_sample)
+    ci_low, ci_high = bootstrap_median_ci(per_sample)
 
     tokens = sum(r.num_new_tokens for r in records)
     decode_s = sum(r.decode_s for r in records)
@@ -148,6 +193,9 @@ def _variant_stats(dataset: str, temperature: float, method: str, policy: str, b
         tau=accepted / rounds if rounds else None, num_rounds=rounds,
         exact_match=sum(compared) / len(compared) if compared else None, num_compared=len(compared),
         mean_tree_size=sum(sizes) / len(sizes) if sizes else None, tree=tree,
+        speedup_ci_low=ci_low, speedup_ci_high=ci_high,
+        acceptance_by_depth=acceptance_by_depth(n for r in records for n in r.acceptance_lengths),
+        target_forwards=sum(target_forwards(r) for r in records),
     )
 
 

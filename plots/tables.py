@@ -7,9 +7,11 @@ from typing import Iterable
 from experiments.schema import SampleRecord, dataset_label
 from plots.metrics import ORACLE_LABEL, Stats, compute_stats, groups_of, headline_stats, oracle_stats
 
-_HEADER = ("Dataset", "T", "Method", "Speedup", "Per-sample median [IQR]", "τ", "Exact match", "n")
+_HEADER = ("Dataset", "T", "Method", "Speedup", "Per-prompt median [95% CI]", "τ", "Exact match", "n")
 FOOTNOTE = (f"Speedup = AR time per token ÷ method time per token (token-weighted over samples both finished); "
-             f"τ = mean tokens committed per round; {ORACLE_LABEL} = best fixed budget chosen after the fact.")
+             f"τ = mean tokens committed per round; {ORACLE_LABEL} = best fixed budget chosen after the fact. Per-prompt median: "
+            f"paired with AR on the same prompt, bootstrap 95% interval; ≈ marks an interval that contains 1 (within "
+            f"noise of AR).")
 SAMPLED_NOTE = ("DDTree sampled = children drawn from the drafter's distribution and verified by recursive rejection "
                 "sampling; DDTree (B=…) = the deterministic top-K tree, verified by sample-and-match.")
 
@@ -30,7 +32,9 @@ def _temperature(t: float) -> str:
 def _cells(s: Stats, times: str = "×") -> list[str]:
     spread = "–"
     if s.speedup_median is not None:
-        spread = f"{s.speedup_median:.2f} [{s.speedup_q25:.2f}, {s.speedup_q75:.2f}]"
+        spread = f"{s.speedup_median:.2f} [{s.speedup_ci_low:.2f}, {s.speedup_ci_high:.2f}]"
+        if s.method != "ar" and s.within_noise:
+            spread = "≈ " + spread
     match = "–" if s.exact_match is None else f"{100 * s.exact_match:.0f}% ({s.num_compared})"
     return [dataset_label(s.dataset), _temperature(s.temperature), s.label, _num(s.speedup, 2, times), spread,
             _num(s.tau), match, str(s.num_records)]
@@ -43,7 +47,8 @@ def markdown_table(rows: Iterable[Stats]) -> str:
 
 
 _LATEX_ESCAPES = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
-                  "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "–": "--"}
+                  "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "–": "--",
+                  "≈": r"$\approx$"}
 
 
 def _latex_escape(text: str) -> str:
@@ -52,7 +57,7 @@ def _latex_escape(text: str) -> str:
 
 def latex_table(rows: Iterable[Stats]) -> str:
     """A booktabs ``tabular`` (needs ``\\usepackage{booktabs}``); a rule between (dataset, temperature) groups."""
-    header = ["Dataset", "$T$", "Method", "Speedup", "Median [IQR]", r"$\tau$", "Exact match", "$n$"]
+    header = ["Dataset", "$T$", "Method", "Speedup", "Median [95\\% CI]", r"$\tau$", "Exact match", "$n$"]
     out = [r"\begin{tabular}{lllrrrrr}", r"\toprule", " & ".join(header) + r" \\", r"\midrule"]
     previous = None
     for s in rows:
@@ -93,3 +98,36 @@ def summary_table(records: Iterable[SampleRecord], *, all_budgets: bool = True,
         return "(no records)\n"
     rows = all_rows(stats) if all_budgets else headline_stats(stats, fixed_budget)
     return markdown_table(rows) + "\n" + footnote(rows) + "\n"
+
+
+STAGES = ("draft", "tree", "verify", "commit")
+
+
+def stage_table(records: Iterable[SampleRecord]) -> str:
+    """Where a round's time goes, per method variant over all datasets of one temperature: milliseconds per round
+    of each decode-loop stage (``SampleRecord.stage_times``), the rest of the round, τ, and target forwards per
+    generated token."""
+    from collections import defaultdict
+
+    from plots.metrics import _variant_sort_key, target_forwards
+    from experiments.schema import method_label
+
+    groups: dict[tuple, list[SampleRecord]] = defaultdict(list)
+    for r in records:
+        groups[(r.temperature, r.method, r.policy, r.budget, r.tree_kind)].append(r)
+    lines = ["| T | Method | ms/round | " + " | ".join(STAGES) + " | other | τ | forwards/token |",
+             "|---|---|" + "---:|" * (len(STAGES) + 4)]
+    for (t, method, policy, budget, tree), rs in sorted(
+            groups.items(), key=lambda kv: (kv[0][0], _variant_sort_key(*kv[0][1:]))):
+        rounds = sum(len(r.acceptance_lengths) for r in rs)
+        tokens = sum(r.num_new_tokens for r in rs)
+        if not rounds or not tokens:
+            continue
+        per = {st: 1000 * sum(r.stage_times.get(st, 0.0) for r in rs) / rounds for st in STAGES}
+        total = 1000 * sum(r.decode_s for r in rs) / rounds
+        tau = sum(sum(r.acceptance_lengths) for r in rs) / rounds
+        forwards = sum(target_forwards(r) for r in rs) / tokens
+        lines.append(f"| {_temperature(t)} | {method_label(method, policy, budget, tree)} | {total:.1f} | "
+                     + " | ".join(f"{per[st]:.1f}" for st in STAGES)
+                     + f" | {max(0.0, total - sum(per.values())):.1f} | {tau:.2f} | {forwards:.2f} |")
+    return "\n".join(lines) + "\n"

@@ -85,6 +85,7 @@ def test_tiny_run_writes_complete_valid_records(tiny_run):
         out = r.extra["output_ids"]
         assert r.num_new_tokens == len(out) > 0 and r.decode_s > 0 and r.prefill_s > 0
         assert sum(r.acceptance_lengths) + 1 == r.num_new_tokens  # the prefill's token is not a round
+        assert r.extra["target_forwards"] == 1 + len(r.acceptance_lengths)
         if r.method == "ar":
             assert r.matches_ar is None and r.policy == "ar" and set(r.acceptance_lengths) == {1}
         else:
@@ -97,6 +98,8 @@ def test_tiny_run_writes_complete_valid_records(tiny_run):
     assert manifest.preset == "tiny" and manifest.dtype == "float32" and manifest.attention_backend == "sdpa"
     assert manifest.extra["pair"]["target"] == "tiny" and manifest.extra["preset"]["max_new_tokens"] == 12
     assert not list(tiny_run.glob("records.rank*.jsonl"))
+    curve = manifest.extra["sessions"][-1]["cost_curve"]  # the machine's round cost curve, and what it means
+    assert curve["nodes"][0] == 0 and len(curve["verify_s"]) == len(curve["nodes"]) and "machine" in curve["explanation"]
 
 
 def test_methods_run_interleaved_and_second_turn_continues_ar(tiny_run):
@@ -249,3 +252,14 @@ def test_torchrun_ranks_write_their_own_files_and_rank0_merges(tmp_path):
     assert all(r.matches_ar for r in records if r.method == "ddtree")
     assert Manifest.read(out / "manifest.json").extra["world_size"] == 2
     assert "DDTree (B=4)" in done.stdout
+
+
+def test_cost_curve_explanation_names_the_regime():
+    from experiments.benchmark import explain_cost_curve
+
+    flat = {0: 1.0, 8: 1.05, 32: 1.3}
+    steep = {0: 1.0, 8: 2.0, 32: 4.0}
+    middle = {0: 1.0, 8: 1.3, 32: 2.2}
+    assert "large budgets win" in explain_cost_curve(flat, 0.2)
+    assert "small trees win" in explain_cost_curve(steep, 0.2) and "2.00x" in explain_cost_curve(steep, 0.2)
+    assert "mid-size" in explain_cost_curve(middle, 0.5) and "0.50 of a plain step" in explain_cost_curve(middle, 0.5)

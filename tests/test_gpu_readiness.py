@@ -71,19 +71,19 @@ def _inputs(config: DFlashConfig, ctx_len: int, block: int, seed: int = 0, dtype
 
 # ---------------------------------------------------------------------------------------------------- 1. training
 def test_distributed_init_sets_the_rank_gpu_first_and_carries_both_backends(monkeypatch):
-    import dflash_core.train as train_mod
+    import dflash_core.training.loop as loop_mod
 
     calls = []
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", torch.device(d))))
-    monkeypatch.setattr(train_mod.dist, "init_process_group", lambda backend, **kw: calls.append(("init", backend)))
-    device, distributed = train_mod.init_distributed(None)
+    monkeypatch.setattr(loop_mod.dist, "init_process_group", lambda backend, **kw: calls.append(("init", backend)))
+    device, distributed = loop_mod.init_distributed(None)
     assert distributed and device == torch.device("cuda", 1)
     assert calls == [("set_device", torch.device("cuda", 1)), ("init", "cpu:gloo,cuda:nccl")]
     calls.clear()
-    device, _ = train_mod.init_distributed("cpu")  # a CPU run under torchrun: gloo only, no GPU touched
+    device, _ = loop_mod.init_distributed("cpu")  # a CPU run under torchrun: gloo only, no GPU touched
     assert device == torch.device("cpu") and calls == [("init", "gloo")]
 
 
@@ -158,7 +158,7 @@ def test_step_memory_formula_matches_a_cpu_measurement():
     pytest.importorskip("torch.distributed._tools.mem_tracker")
     import dataclasses
 
-    from dflash_core.train_memory import QWEN3_8B_PRESET, SMALL_PRESET, measure_small, step_memory
+    from dflash_core.training.memory import QWEN3_8B_PRESET, SMALL_PRESET, measure_small, step_memory
 
     for shape in (SMALL_PRESET, dataclasses.replace(SMALL_PRESET, layers=2, vocab_rows=2368, anchors=32)):
         measured, formula = measure_small(shape)

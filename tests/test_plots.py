@@ -109,6 +109,11 @@ def test_hand_computed_metrics(runs):
     assert dflash.speedup == pytest.approx(3.5 / 1.3)
     assert (dflash.speedup_median, dflash.speedup_q25, dflash.speedup_q75) == pytest.approx((2.75, 2.625, 2.875))
     assert dflash.tau == pytest.approx(15 / 5)
+    # per-prompt speedups 2.5 and 3.0: a bootstrap median of two values lies between them
+    assert (dflash.speedup_ci_low, dflash.speedup_ci_high) == pytest.approx((2.5, 3.0)) and not dflash.within_noise
+    # rounds [3, 5, 2] and [4, 1]: depth 1 reached in 4 of 5 rounds, depth 2 in 4, depth 3 in 2, depth 4 in 1
+    assert dflash.acceptance_by_depth == pytest.approx((0.8, 0.6, 0.4, 0.2))
+    assert dflash.target_forwards == (1 + 3) + (1 + 2)
     assert dflash.exact_match == pytest.approx(0.5)
     assert by_label["DDTree (B=16)"].speedup == pytest.approx(3.5 / 0.9)
     assert by_label["DDTree (B=32)"].speedup == pytest.approx(3.5 / 0.75)
@@ -134,7 +139,7 @@ def table_row(table: str, dataset: str, temperature: str, method: str) -> list[s
 
 def test_summary_table_numbers(runs):
     table = summary_table(load_records(runs))
-    assert table_row(table, "GSM8K", "0", "DFlash")[3:8] == ["2.69×", "2.75 [2.62, 2.88]", "3.00", "50% (2)", "2"]
+    assert table_row(table, "GSM8K", "0", "DFlash")[3:8] == ["2.69×", "2.75 [2.50, 3.00]", "3.00", "50% (2)", "2"]
     assert table_row(table, "GSM8K", "0", "DDTree (oracle budget), B=32")[3] == "4.67×"
     assert table_row(table, "GSM8K", "0", "DDTree (B=32)")[5] == "5.00"
     assert table_row(table, "GSM8K", "0", "AR")[3:6] == ["1.00×", "1.00 [1.00, 1.00]", "1.00"]
@@ -203,3 +208,40 @@ def test_plots_do_not_import_torch():
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_bootstrap_interval_of_the_median():
+    import random
+    import statistics
+
+    from plots.metrics import bootstrap_median_ci
+
+    assert bootstrap_median_ci([]) == (None, None) and bootstrap_median_ci([1.3]) == (1.3, 1.3)
+    rng = random.Random(1)
+    values = [rng.gauss(1.2, 0.1) for _ in range(40)]
+    lo, hi = bootstrap_median_ci(values)
+    assert lo < statistics.median(values) < hi and hi - lo < 0.15  # about 2 x 1.25 sigma / sqrt(n) wide
+    assert bootstrap_median_ci(values) == (lo, hi)  # fixed seed: reproducible
+    # coverage: the interval holds the true median in about 95% of repeated draws
+    hits = 0
+    for trial in range(200):
+        sample = [rng.gauss(1.0, 0.2) for _ in range(25)]
+        a, b = bootstrap_median_ci(sample, resamples=400, seed=trial)
+        hits += a <= 1.0 <= b
+    assert 0.88 <= hits / 200 <= 0.995
+
+
+def test_within_noise_and_stage_table(runs):
+    from plots.tables import stage_table
+
+    records = [record("gsm8k", str(i), "ar", None, 1.0, 10, [1] * 10) for i in range(4)]
+    records += [record("gsm8k", str(i), "dflash", None, d, 10, [2] * 5) for i, d in enumerate([0.9, 1.1, 0.95, 1.05])]
+    dflash = find(compute_stats(records), "gsm8k", 0.0, "dflash")[0]
+    assert dflash.within_noise and table_row(summary_table(records), "GSM8K", "0", "DFlash")[4].startswith("≈")
+    table = stage_table(records)
+    row = next(line for line in table.splitlines() if "DFlash" in line)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    # 4 records x 5 rounds, 4.0 s of decoding: 200 ms per round, half of it verify (the fixture's stage_times)
+    assert cells[2] == "200.0" and cells[5] == "100.0" and cells[7] == "100.0" and cells[8] == "2.00"
+    assert cells[9] == f"{4 * 6 / 40:.2f}"  # (prefill + 5 rounds) x 4 records / 40 tokens
+    assert len(table.splitlines()[0].split("|")) == len(table.splitlines()[1].split("|"))

@@ -196,7 +196,7 @@ def test_ddp_two_gloo_processes_match_one_process(tmp_path):
 def test_no_training_prompt_is_benchmark_eligible():
     from experiments.datasets import (
         DatasetUnavailableError, OFFLINE_DATASETS, benchmark_pool_ids, benchmark_split)
-    from dflash_core.train_data import build_prompts
+    from dflash_core.training.prompts import build_prompts
 
     prompts = build_prompts()
     texts = {p.text.strip() for p in prompts}

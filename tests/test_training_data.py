@@ -209,7 +209,7 @@ def test_shipped_response_shards_reference_only_training_prompts():
     from pathlib import Path
 
     from dflash_core.default import DEFAULT_DRAFT_DIR
-    from dflash_core.train_data import build_prompts
+    from dflash_core.training.prompts import build_prompts
     from experiments.datasets import DatasetUnavailableError, OFFLINE_DATASETS, benchmark_pool_ids
 
     folder = Path(DEFAULT_DRAFT_DIR) / "data"

@@ -1,8 +1,8 @@
 """A training corpus from data shards: sequences, their kept target features, and a draft vocabulary.
 
 Prompts are not stored in shards (only references), so they are rebuilt here from their sources: the prompt key
-``<prompt_id>#p<pass>`` names a :class:`dflash_core.train_data.PromptItem`, whose text goes through the target's chat
-template again. A rebuilt prompt whose length differs from the shard's record (a changed source or tokenizer) is
+``<prompt_id>#p<pass>`` names a :class:`dflash_core.training.prompts.PromptItem`, whose text goes through the target's
+chat template again. A rebuilt prompt whose length differs from the shard's record (a changed source or tokenizer) is
 skipped and counted, never silently misaligned.
 """
 
@@ -31,7 +31,7 @@ class Corpus:
 
     def feature_source(self, i: int):
         """SequenceFeatures of sequence i from the shard cache (None when its shard kept no features)."""
-        from ..train import SequenceFeatures
+        from .loss import SequenceFeatures
 
         entry = self._features[i]
         if entry is None:
@@ -54,7 +54,7 @@ def load_corpus(folder: str | Path, tokenizer, seed: int = 0, exclude: Iterable[
     """Every sample of every complete shard in ``folder`` (keys in ``exclude`` left out)."""
     from ..data import build_chat
 
-    from ..train_data import build_prompts
+    from .prompts import build_prompts
 
     prompts = {it.prompt_id: it for it in build_prompts(seed)}
     exclude = set(exclude)

@@ -1,6 +1,6 @@
 """Generate (more) training data: ``python -m dflash_core.training.datagen --out runs/data --minutes 60``.
 
-The target answers every training prompt (:func:`dflash_core.train_data.build_prompts`) with
+The target answers every training prompt (:func:`dflash_core.training.prompts.build_prompts`) with
 :func:`dflash_core.training.generate.generate_batch`; each batch becomes one shard (:mod:`.shards`). Prompts already
 answered in ``--out`` are skipped, so reruns extend the corpus. ``--passes 2`` answers every prompt a second time,
 sampled with another seed (``#p1`` keys), which adds data once the prompts run out.
@@ -30,7 +30,7 @@ __all__ = ["main", "prompt_plan"]
 
 def prompt_plan(seed: int, passes: int):
     """[(prompt_key, PromptItem, pass)] in generation order: pass 0 over every prompt, then pass 1, ..."""
-    from ..train_data import build_prompts
+    from .prompts import build_prompts
 
     items = build_prompts(seed)
     return [(f"{it.prompt_id}#p{p}", it, p) for p in range(passes) for it in items]

@@ -19,8 +19,10 @@ from pathlib import Path
 import torch
 
 from ..model import DFlashDraftModel, load_draft
-from ..train import DraftSpec, export_drafter, TrainConfig, make_draft_config, setup_logging, tau_evaluator, train
+from .config import DraftSpec, TrainConfig, make_draft_config
 from .corpus import build_draft_vocab, load_corpus, vocab_coverage
+from .evaluate import tau_evaluator
+from .loop import export_drafter, setup_logging, train
 
 __all__ = ["TrainingData", "load_training_data", "main"]
 

@@ -5,7 +5,7 @@ A shard is what one generation batch produced. In a data folder, shard ``<name>`
 * ``<name>.tokens.npz`` -- token ids of the responses (uint16 when the vocabulary fits, else int32, concatenated, with
   offsets) and, per sample, a prompt reference (``prompt_key``: source, item id and pass, e.g.
   ``gsm8k:1234#p0``), the decoding mode and the prompt length. Never the prompt text: prompts are rebuilt from their
-  sources at load time (:mod:`dflash_core.train_data`). Small and compressed: these may be committed.
+  sources at load time (:mod:`dflash_core.training.prompts`). Small and compressed: these may be committed.
 * ``<name>.json`` -- the manifest: target hash, generation settings, seed, batch size, dtype, CPU, threads, wall time.
 * ``<name>.feat.npy`` / ``<name>.top.npz`` -- local cache (not committed): the tapped target hidden states of every
   position (bf16 bits as int16) and the target's top-k next-token ids / log-probabilities, captured during

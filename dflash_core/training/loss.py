@@ -1,0 +1,133 @@
+"""The drafter's loss: a teacher-forced target pass gives the features and soft labels, one drafter forward the loss.
+
+:func:`target_features` runs the frozen target over a sequence (no grad) and keeps the tapped hidden states (the
+drafter's context) and the target's top-k next-token distributions (soft labels). :func:`sequence_loss` puts all
+blocks of the sequence (:mod:`.blocks`) through one drafter forward and mixes the hard-label cross-entropy with the
+distillation term.
+
+Restricted-vocabulary loss (``loss_vocab="batch"``): the frozen LM head over the full vocabulary dominates a CPU step.
+With it on, the softmax runs over the union of this step's labels, the target's top-k candidates at every predicted
+position and ``negatives`` uniformly drawn other tokens (fresh each step), i.e. a sampled softmax. All probability mass
+the loss cares about (hard label and soft labels) lies inside the set; the random negatives keep pushing the logits
+of the remaining tokens down, so the full-vocabulary argmax used at decode time stays inside the trained region.
+``loss_vocab="draft"`` is the exact softmax of a drafter with a reduced vocabulary (``set_draft_vocab``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .blocks import block_attention_mask, block_inputs, position_weights
+from .config import TrainConfig
+
+__all__ = ["SequenceFeatures", "target_features", "sequence_loss", "draft_loss"]
+
+
+@dataclass
+class SequenceFeatures:
+    features: torch.Tensor  # [T, taps*hidden] tapped target hidden states (target dtype)
+    top_ids: torch.Tensor | None  # [T, k] the target's top-k next-token ids at each position
+    top_logp: torch.Tensor | None  # [T, k] their log-probabilities (full-vocabulary softmax)
+
+
+@torch.no_grad()
+def target_features(target, ids: torch.Tensor, layer_ids: Sequence[int], topk: int) -> SequenceFeatures:
+    """One teacher-forced target pass over ``ids`` [T] (no grad): tapped hidden states and top-k distributions."""
+    device = target.lm_head.weight.device
+    out = target(input_ids=ids[None].to(device), output_hidden_states=True, use_cache=False)
+    feats = torch.cat([out.hidden_states[i + 1][0].to(device) for i in layer_ids], dim=-1)  # [T, taps*H]
+    top_ids = top_logp = None
+    if topk > 0:
+        logp = torch.log_softmax(out.logits[0].float(), dim=-1)
+        top_logp, top_ids = logp.topk(topk, dim=-1)
+    return SequenceFeatures(feats.clone(), top_ids, top_logp)
+
+
+# ---------------------------------------------------------------------------------------------------- loss
+def sequence_loss(model, embed: torch.nn.Module, head_weight: torch.Tensor, ids: torch.Tensor,
+                  feats: SequenceFeatures, anchors: torch.Tensor, cfg: TrainConfig,
+                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict]:
+    """Sum over the blocks of one sequence of sum_k w_k * CE_k, from ONE drafter forward over all its blocks.
+
+    ``model`` is the drafter (or its DDP wrapper). Returns (weighted CE sum, stats: weight sum, top-1 hits at k=1).
+    CE_k mixes the hard label (the token the target produced) and, with ``distill_weight`` > 0, the target's own
+    renormalised top-k distribution at that position.
+    """
+    core = getattr(model, "module", model)
+    b = core.block_size
+    dev = head_weight.device
+    dtype = next(core.parameters()).dtype  # the drafter's master weights (fp32 when training)
+    n_ctx = int(anchors.max())  # context features 0..max_anchor-1 cover every block's needs
+    tokens, positions, labels = block_inputs(ids, anchors, b, core.mask_token_id)
+    mask = block_attention_mask(anchors, b, n_ctx, device=dev)[None, None]  # [1, 1, A*b, Nc + A*b]
+    with torch.no_grad():
+        block_embeds = embed(tokens.to(embed.weight.device))[None].to(dev, dtype)  # [1, A*b, H] (frozen target embeddings)
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.autocast):
+        hidden = model(block_embeds, feats.features[:n_ctx][None].to(dev, dtype), positions.to(dev),
+                       torch.arange(n_ctx, device=dev), attn_mask=mask)  # [1, A*b, H]
+    valid = labels >= 0  # [A, b-1]
+    hidden = hidden[0].view(len(anchors), b, -1)[:, 1:][valid.to(dev)]  # [N, H] predicted positions
+    w = position_weights(b, cfg.gamma).expand(len(anchors), -1)[valid].to(dev)  # [N]
+    labels = labels[valid].to(dev)  # [N]
+    distill = feats.top_ids is not None and cfg.distill_weight > 0
+    if distill:
+        # the target's distribution for the token at anchor+k sits at sequence position anchor+k-1
+        src = (anchors[:, None] + torch.arange(b - 1))[valid].to(feats.top_ids.device)
+        s_ids = feats.top_ids[src].to(dev)  # [N, k]
+        s_prob = feats.top_logp[src].to(dev).double().exp().to(dtype if dtype == torch.float64 else torch.float32)
+        s_prob = s_prob / s_prob.sum(-1, keepdim=True)  # renormalised top-k distribution
+    if cfg.loss_vocab == "batch":
+        parts = [labels] + ([s_ids.reshape(-1)] if distill else [])
+        if cfg.negatives > 0:
+            parts.append(torch.randint(0, head_weight.shape[0], (cfg.negatives,), generator=generator).to(dev))
+        cand = torch.unique(torch.cat(parts))  # sorted candidate ids [C]
+        lookup = lambda x: torch.searchsorted(cand, x)  # noqa: E731  index of an id inside cand
+        head = head_weight[cand]
+    elif cfg.loss_vocab == "full":
+        lookup, head = (lambda x: x), head_weight
+    elif cfg.loss_vocab == "draft":
+        # the exact softmax of a drafter with a reduced vocabulary: over its V' tokens; labels outside it cannot be
+        # drafted and leave the hard-label term, soft labels outside it are dropped and the rest renormalised
+        if core.draft_vocab is None:
+            raise ValueError("loss_vocab='draft' needs a drafter with a draft vocabulary (set_draft_vocab)")
+        vocab = core.draft_vocab.to(dev)
+        t2d = torch.full((head_weight.shape[0],), -1, dtype=torch.long, device=dev)
+        t2d[vocab] = torch.arange(len(vocab), device=dev)
+        lookup, head = (lambda x: t2d[x].clamp(min=0)), core.head_rows(head_weight)
+        inside = t2d[labels] >= 0
+        w = w * inside
+        if distill:
+            s_prob = s_prob * (t2d[s_ids] >= 0)
+            s_prob = s_prob / s_prob.sum(-1, keepdim=True).clamp(min=1e-12)
+    else:
+        raise ValueError(f"loss_vocab must be 'full', 'batch' or 'draft', got {cfg.loss_vocab!r}")
+    # The head is the frozen target's (up to V x H = 0.6e9 entries): the product runs in the head's own dtype, so the
+    # head is never cast or copied per sequence (``head.to(fp32)``, or autocast's cast of a non-bf16 head, would be).
+    with torch.autocast(dev.type, enabled=False):
+        logits = hidden.to(head.dtype) @ head.t()  # [N, C]
+    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    ce = -logp.gather(1, lookup(labels)[:, None])[:, 0]  # [N]
+    if distill:
+        soft = -(s_prob * logp.gather(1, lookup(s_ids))).sum(-1)  # [N]
+        ce = (1 - cfg.distill_weight) * ce + cfg.distill_weight * soft
+    with torch.no_grad():
+        first = w == 1.0  # block position k = 1
+        hits = int((logits[first].argmax(-1) == lookup(labels[first])).sum())
+    return (w * ce).sum(), {"weight": float(w.sum()), "hits1": hits, "n1": int(first.sum())}
+
+
+def draft_loss(model, embed: torch.nn.Module, head_weight: torch.Tensor,
+               batch: list[tuple[torch.Tensor, SequenceFeatures, torch.Tensor]], cfg: TrainConfig,
+               generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict]:
+    """Weighted block loss of a batch of (ids [T], target features, anchors [A]): sum_k w_k CE_k / sum_k w_k."""
+    sums, stats = [], {"weight": 0.0, "hits1": 0, "n1": 0}
+    for ids, feats, anchors in batch:
+        s, st = sequence_loss(model, embed, head_weight, ids, feats, anchors, cfg, generator)
+        sums.append(s)
+        for k in stats:
+            stats[k] += st[k]
+    loss = torch.stack(sums).sum() / stats["weight"]
+    return loss, {**stats, "loss": float(loss), "acc1": stats["hits1"] / max(1, stats["n1"])}
