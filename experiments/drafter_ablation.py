@@ -103,6 +103,7 @@ def main(argv=None) -> None:
                           steps=a.steps, max_len=a.max_len, distill_weight=opt["distill_weight"], distill_topk=8,
                           loss_vocab=opt["loss_vocab"], eval_every=10 ** 9, seed=a.seed,
                           cache_features=not data.has_features)
+        data.layer_ids = list(draft.config.target_layer_ids)
         state = train(target, draft, data.sequences, cfg, folder, log, feature_source=data.feature_source)
         draft = draft.to(torch.bfloat16).eval()
         draft.save_pretrained(folder / "drafter", dtype=torch.bfloat16)

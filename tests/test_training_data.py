@@ -236,3 +236,21 @@ def test_shipped_response_shards_reference_only_training_prompts():
     # stdlib prompts follow the running interpreter (pytest swaps a few hooks such as sys.unraisablehook), so a
     # handful may not rebuild here; the loader skips and counts those
     assert rebuilt >= 0.99 * total, (rebuilt, total)
+
+
+def test_corpus_selects_the_drafters_taps_from_the_kept_features():
+    from dflash_core.training.corpus import Corpus
+
+    t, hidden, kept = 5, 3, [1, 8, 14, 20, 27]
+    # tap j's block of columns holds the value 10 * j + column, so every selected column is identifiable
+    feats = torch.tensor([[10.0 * j + c for j in range(len(kept)) for c in range(hidden)]] * (t + 2))
+    corpus = Corpus([(torch.zeros(t, dtype=torch.long), 2)], ["k"], ["s"], [[0, 0, 0]],
+                    [((feats, None, None), 1, kept)])
+    full = corpus.feature_source(0)
+    assert torch.equal(full.features, feats[1:1 + t]) and full.top_ids is None
+    assert torch.equal(corpus.feature_source(0, kept).features, feats[1:1 + t])
+    sub = corpus.feature_source(0, [1, 14, 27]).features
+    assert sub.shape == (t, 3 * hidden)
+    assert sub[0].tolist() == [0.0, 1.0, 2.0, 20.0, 21.0, 22.0, 40.0, 41.0, 42.0]
+    with pytest.raises(ValueError, match="kept only"):
+        corpus.feature_source(0, [1, 2])

@@ -8,6 +8,7 @@ skipped and counted, never silently misaligned.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,16 +30,27 @@ class Corpus:
     _features: list[tuple | None] = field(default_factory=list, repr=False)  # (shard features, offset) per sequence
     skipped: int = 0
 
-    def feature_source(self, i: int):
-        """SequenceFeatures of sequence i from the shard cache (None when its shard kept no features)."""
+    def feature_source(self, i: int, layer_ids: Sequence[int] | None = None):
+        """SequenceFeatures of sequence i from the shard cache (None when its shard kept no features).
+
+        ``layer_ids``: the drafter's taps, when they are a subset of (or ordered differently from) the taps the
+        shard kept; their columns are selected. A tap the shard did not keep is an error."""
         from .loss import SequenceFeatures
 
         entry = self._features[i]
         if entry is None:
             return None
-        (feats, top_ids, top_logp), off = entry
+        (feats, top_ids, top_logp), off, kept = entry
         t = len(self.sequences[i][0])
-        return SequenceFeatures(feats[off:off + t], None if top_ids is None else top_ids[off:off + t],
+        rows = feats[off:off + t]
+        if layer_ids is not None and kept is not None and list(layer_ids) != list(kept):
+            missing = [x for x in layer_ids if x not in kept]
+            if missing:
+                raise ValueError(f"the drafter reads target layers {list(layer_ids)}, but the data shards kept only "
+                                 f"{list(kept)}: regenerate the data with --taps covering {missing}")
+            cols = [list(kept).index(x) for x in layer_ids]
+            rows = rows.reshape(t, len(kept), -1)[:, cols].reshape(t, -1)
+        return SequenceFeatures(rows, None if top_ids is None else top_ids[off:off + t],
                                 None if top_logp is None else top_logp[off:off + t])
 
     @property
@@ -62,6 +74,7 @@ def load_corpus(folder: str | Path, tokenizer, seed: int = 0, exclude: Iterable[
     for name in list_shards(folder):
         samples = read_shard_tokens(folder, name)
         cached = read_shard_features(folder, name)
+        kept = json.loads((Path(folder) / f"{name}.json").read_text()).get("taps") if cached is not None else None
         offsets = None
         if cached is not None:
             lengths = cached[3]
@@ -81,7 +94,7 @@ def load_corpus(folder: str | Path, tokenizer, seed: int = 0, exclude: Iterable[
             corpus.keys.append(s.prompt_key)
             corpus.sources.append(s.source)
             corpus.responses.append(s.response_ids)
-            corpus._features.append(None if cached is None else (cached[:3], offsets[k]))
+            corpus._features.append(None if cached is None else (cached[:3], offsets[k], kept))
     return corpus
 
 

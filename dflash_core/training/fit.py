@@ -36,9 +36,11 @@ class TrainingData:
     has_features: bool  # every sequence has target features kept at generation time
     _sources: list = field(default_factory=list, repr=False)  # (corpus, index) per training sequence
 
+    layer_ids: list[int] | None = None  # the drafter's taps (set before training): selects the kept columns
+
     def feature_source(self, j: int):
         corpus, i = self._sources[j]
-        return corpus.feature_source(i)
+        return corpus.feature_source(i, self.layer_ids)
 
     @property
     def response_tokens(self) -> int:
@@ -141,6 +143,7 @@ def main(argv=None) -> None:
                       time_budget_s=a.minutes * 60 if a.minutes else None)
     evaluate = tau_evaluator(target, tokenizer, eval_prompts, cfg.eval_new_tokens, stops) if eval_prompts else None
 
+    data.layer_ids = list(draft.config.target_layer_ids)
     state = train(target, draft, data.sequences, cfg, out, log, evaluate, feature_source=data.feature_source)
     final = out / "drafter"
     draft.save_pretrained(final, dtype=torch.bfloat16)
