@@ -254,3 +254,21 @@ def test_corpus_selects_the_drafters_taps_from_the_kept_features():
     assert sub[0].tolist() == [0.0, 1.0, 2.0, 20.0, 21.0, 22.0, 40.0, 41.0, 42.0]
     with pytest.raises(ValueError, match="kept only"):
         corpus.feature_source(0, [1, 2])
+
+
+def test_recipe_command_generates_then_trains_and_resumes(tmp_path):
+    """The one-command recipe at toy size on the embedded target (CPU): shards, a drafter, and a rerun that adds data."""
+    from dflash_core.training import recipe
+    from dflash_core.training.shards import list_shards
+
+    args = ["--out", str(tmp_path), "--device", "cpu", "--gen-batches", "1", "--gen-batch", "3", "--gen-workers", "1",
+            "--max-new-tokens", "8", "--draft-vocab", "64", "--", "--steps", "2", "--eval-prompts", "0", "--threads", "1"]
+    recipe.main(args)
+    assert len(list_shards(tmp_path / "data")) == 1
+    summary = json.loads((tmp_path / "fit" / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["response_tokens"] > 0
+    draft = load_draft(tmp_path / "fit" / "drafter")
+    assert draft.draft_vocab is not None and len(draft.draft_vocab) <= 64 + 4
+    recipe.main(args)  # a rerun answers new prompts and resumes training from the checkpoint (already done)
+    assert len(list_shards(tmp_path / "data")) == 2
+    assert json.loads((tmp_path / "fit" / "summary.json").read_text())["steps"] == 2

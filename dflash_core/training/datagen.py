@@ -6,7 +6,9 @@ answered in ``--out`` are skipped, so reruns extend the corpus. ``--passes 2`` a
 sampled with another seed (``#p1`` keys), which adds data once the prompts run out.
 
 On a CPU the work is split over ``--workers`` single-thread processes (one per core): a small machine's cores then
-never wait on each other in lock-step, and another short job on the machine slows one worker, not all.
+never wait on each other in lock-step, and another short job on the machine slows one worker, not all. On a GPU one
+process generates with large batches; under ``torchrun`` each rank answers its share of the prompts on its own GPU.
+Any Hugging Face causal LM can be the target (``--target``); ``--taps`` defaults to the drafter's 5-tap rule.
 """
 
 from __future__ import annotations
@@ -39,13 +41,13 @@ def prompt_plan(seed: int, passes: int):
 def _worker(index: int, a: argparse.Namespace) -> None:
     torch.set_num_threads(a.threads)
     from ..data import build_chat
+    from .targets import default_taps, load_training_target, resolve_device
 
-    from ..default import load_default_target, stop_token_ids
-
-    target, tokenizer = load_default_target(torch.bfloat16 if a.dtype == "bf16" else torch.float32)
-    stops = stop_token_ids(tokenizer)
+    device = resolve_device(a.device)
+    target, tokenizer, stops = load_training_target(a.target, torch.bfloat16 if a.dtype == "bf16" else torch.float32,
+                                                    device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
-    layer_ids = [int(x) for x in a.taps.split(",")]
+    layer_ids = [int(x) for x in a.taps.split(",")] if a.taps else default_taps(target)
     out = Path(a.out)
     done = done_prompt_keys(out)
     plan = [x for k, x in enumerate(prompt_plan(a.seed, a.passes)) if k % a.workers == index and x[0] not in done]
@@ -54,7 +56,7 @@ def _worker(index: int, a: argparse.Namespace) -> None:
     log.write(f"worker {index}: {len(plan)} prompts to go ({len(done)} done), target {fingerprint}\n")
     t_start = time.perf_counter()
     deadline = t_start + a.minutes * 60 if a.minutes else None
-    total = 0
+    total = batches = 0
     # batches of similar prompt length inside windows of 8 batches (less left padding), pass by pass
     window = a.batch * 8
     with fast_decoding(target):
@@ -66,6 +68,10 @@ def _worker(index: int, a: argparse.Namespace) -> None:
                     group.append((key, item, p, ids))
             group.sort(key=lambda x: len(x[3]))
             for b0 in range(0, len(group), a.batch):
+                if a.max_batches is not None and batches >= a.max_batches:
+                    log.write(f"worker {index}: --max-batches reached, {total} response tokens\n")
+                    return
+                batches += 1
                 if deadline is not None and time.perf_counter() > deadline:
                     log.write(f"worker {index}: time budget reached, {total} response tokens\n")
                     return
@@ -73,7 +79,7 @@ def _worker(index: int, a: argparse.Namespace) -> None:
                 rng = random.Random(f"mode:{a.seed}:{batch[0][0]}")
                 sampled = batch[0][2] > 0 or rng.random() < a.sampled_fraction
                 temperature = a.temperature if sampled else 0.0
-                gen = torch.Generator().manual_seed(int(hashlib.sha256(f"{a.seed}:{batch[0][0]}".encode()).hexdigest()[:8], 16))
+                gen = torch.Generator(device=device).manual_seed(int(hashlib.sha256(f"{a.seed}:{batch[0][0]}".encode()).hexdigest()[:8], 16))
                 t0 = time.perf_counter()
                 res = generate_batch(target, [x[3] for x in batch], layer_ids, a.max_new_tokens, stops, pad,
                                      temperature=temperature, top_p=a.top_p, topk=a.topk, generator=gen)
@@ -87,7 +93,8 @@ def _worker(index: int, a: argparse.Namespace) -> None:
                     "taps": layer_ids, "max_new_tokens": a.max_new_tokens, "temperature": temperature,
                     "top_p": a.top_p if sampled else 1.0, "topk": a.topk, "seed": a.seed, "pass": batch[0][2],
                     "batch_size": len(batch), "dtype": a.dtype, "threads": a.threads, "workers": a.workers,
-                    "cpu": cpu_model(), "torch": torch.__version__, "seconds": dt,
+                    "cpu": cpu_model(), "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+                    else "cpu", "torch": torch.__version__, "seconds": dt,
                     "response_tokens_per_s": n_tok / dt, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
                 }
                 name = f"shard-{time.strftime('%Y%m%d%H%M%S')}-w{index}-{b0 // a.batch + w // a.batch:05d}"
@@ -104,9 +111,13 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m dflash_core.training.datagen", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="data folder (shards accumulate here)")
     p.add_argument("--minutes", type=float, default=None, help="stop starting new batches after this long")
-    p.add_argument("--workers", type=int, default=max(1, min(2, os.cpu_count() or 1)))
+    p.add_argument("--target", default="smollm2", help="'smollm2' (embedded) or a Hugging Face id / folder")
+    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1, ...")
+    p.add_argument("--workers", type=int, default=None,
+                   help="processes (default: one per core, at most 2, on a CPU; one on a GPU)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    p.add_argument("--batch", type=int, default=96)
+    p.add_argument("--batch", type=int, default=None, help="sequences per batch (default: 96 on a CPU, 256 on a GPU)")
+    p.add_argument("--max-batches", type=int, default=None, help="stop after this many batches per worker (smoke)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-prompt-tokens", type=int, default=512)
     p.add_argument("--passes", type=int, default=2)
@@ -114,22 +125,35 @@ def main(argv=None) -> None:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--topk", type=int, default=8, help="keep the target's top-k next-token distribution (0: none)")
-    p.add_argument("--taps", default="1,8,14,20,27", help="target layers whose hidden states are kept")
+    p.add_argument("--taps", default=None,
+                   help="target layers whose hidden states are kept (default: the 5-tap rule, e.g. 1,8,14,20,27)")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ceiling", action="store_true", help="only measure the teacher-forced ceiling and exit")
     a = p.parse_args(argv)
+    from .targets import resolve_device
+
+    gpu = resolve_device(a.device).type == "cuda"
+    if a.workers is None:
+        a.workers = 1 if gpu else max(1, min(2, os.cpu_count() or 1))
+    if a.batch is None:
+        a.batch = 256 if gpu else 96
     Path(a.out).mkdir(parents=True, exist_ok=True)
     if a.ceiling:
-        from ..default import load_default_target
+        from .targets import load_training_target
 
         torch.set_num_threads(a.threads * a.workers)
-        target, _ = load_default_target(torch.bfloat16 if a.dtype == "bf16" else torch.float32)
+        target, _, _ = load_training_target(a.target, torch.bfloat16 if a.dtype == "bf16" else torch.float32,
+                                            resolve_device(a.device))
         rate = teacher_forced_ceiling(target, 8, 320)
         print(json.dumps({"ceiling_tokens_per_s": rate, "threads": torch.get_num_threads(), "cpu": cpu_model(),
                           "dtype": a.dtype, "batch": 8, "length": 320}))
         return
-    if a.workers > 1:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:  # under torchrun: each rank answers its share of the prompts on its own GPU
+        a.workers = world
+        _worker(int(os.environ.get("RANK", "0")), a)
+    elif a.workers > 1:
         import torch.multiprocessing as mp
 
         mp.spawn(_worker, args=(a,), nprocs=a.workers, join=True)

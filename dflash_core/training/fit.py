@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -83,6 +84,9 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m dflash_core.training.fit", description=__doc__.split("\n\n")[0])
     p.add_argument("--data", required=True, action="append", help="shard folder (repeatable)")
     p.add_argument("--out", required=True)
+    p.add_argument("--target", default="smollm2", help="'smollm2' (embedded) or the Hugging Face id / folder the "
+                   "shards were generated with")
+    p.add_argument("--device", default="auto", help="auto (CUDA when available; under torchrun the rank's GPU), cpu, cuda")
     p.add_argument("--init", help="start from this drafter folder (same shape) instead of random weights")
     p.add_argument("--export", help="also copy the final drafter into this folder")
     p.add_argument("--draft-vocab", type=int, default=0, help="reduced draft vocabulary size (0: full vocabulary)")
@@ -108,14 +112,16 @@ def main(argv=None) -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     out = Path(a.out)
-    logger = setup_logging(out)
+    rank = int(os.environ.get("RANK", "0"))  # under torchrun every rank trains; rank 0 logs and writes
+    logger = setup_logging(out, rank)
     log = logger.info
     log(f"options: {json.dumps(vars(a), sort_keys=True)}")
-    from ..default import load_default_target, stop_token_ids
+    from .loop import init_distributed, load_checkpoint
+    from .targets import load_training_target
 
     t0 = time.perf_counter()
-    target, tokenizer = load_default_target(torch.bfloat16)
-    stops = stop_token_ids(tokenizer)
+    device, distributed = init_distributed(None if a.device == "auto" else a.device)
+    target, tokenizer, stops = load_training_target(a.target, torch.bfloat16, device)
     data = load_training_data(a.data, tokenizer, a.seed, a.eval_prompts, log)
     eval_prompts, n_tokens = data.eval_prompts, data.response_tokens
 
@@ -128,7 +134,10 @@ def main(argv=None) -> None:
         draft = DFlashDraftModel(make_draft_config(target.config, spec))
     coverage = None
     if a.draft_vocab:
-        vocab = build_draft_vocab(data.responses, a.draft_vocab, always=stops)
+        resumed = (load_checkpoint(out / "checkpoint.pt")["draft"].get("draft_vocab")
+                   if (out / "checkpoint.pt").is_file() else None)
+        # a resumed run keeps the vocabulary it started with (the data may have grown since)
+        vocab = resumed if resumed is not None else build_draft_vocab(data.responses, a.draft_vocab, always=stops)
         draft.set_draft_vocab(vocab)
         coverage = vocab_coverage(data.held_responses or data.responses[:50], vocab)
         log(f"draft vocabulary: {len(vocab)} ids, held-out token coverage {coverage:.4f}")
@@ -145,6 +154,12 @@ def main(argv=None) -> None:
 
     data.layer_ids = list(draft.config.target_layer_ids)
     state = train(target, draft, data.sequences, cfg, out, log, evaluate, feature_source=data.feature_source)
+    if distributed:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    if rank != 0:
+        return
     final = out / "drafter"
     draft.save_pretrained(final, dtype=torch.bfloat16)
     tail = state.history[-50:]
@@ -156,7 +171,9 @@ def main(argv=None) -> None:
                "options": vars(a), "total_minutes": (time.perf_counter() - t0) / 60,
                "history": [{k: h[k] for k in h if k in ("step", "loss", "acc1", "tau")} for h in state.history
                            if h["step"] % 25 == 0 or "tau" in h]}
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    tmp = out / "summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=1) + "\n")
+    tmp.replace(out / "summary.json")
     if a.export:
         export_drafter(final, a.export, log)
     log(f"done: steps {state.step}, loss {summary['final_loss_last50']:.4f}, best tau {state.best_tau:.3f}")
