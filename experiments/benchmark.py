@@ -446,17 +446,27 @@ class Session:
             if turn + 1 < len(item.turns):
                 answers.append(_answer_text(self.models.tokenizer, reference or [], self.models.stop_token_ids))
 
-    def warm_up(self) -> None:
-        """One short untimed generation per variant (kernels, allocator, ``auto``'s cost measurement)."""
+    def warm_up(self) -> dict[Variant, float]:
+        """One short untimed generation per variant (kernels, allocator, ``auto``'s cost measurement), twice; the
+        second one's decoding seconds per token, per variant, size the run (:func:`size_run`)."""
         ids = build_chat(self.models.tokenizer, [WARMUP_PROMPT], chat_template_kwargs=self.chat_kwargs)
         input_ids = torch.tensor([ids], dtype=torch.long)
+        per_token = {}
         for variant in self.variants:
             variant.generate(self.models, input_ids, self.preset.warmup_tokens, 0.0, 0)
+            result = variant.generate(self.models, input_ids, self.preset.warmup_tokens, 0.0, 0)
+            per_token[variant] = result.timings.get("decode", 0.0) / max(1, len(result.new_token_ids) - 1)
+        return per_token
+
+    def restrict(self, variants: list[Variant]) -> None:
+        """Measure only ``variants`` in this session (a sized run)."""
+        self.variants = [v for v in self.variants if v in variants]
+        self.others = [v for v in self.others if v in variants]
 
 
 # ---------------------------------------------------------------------------------------------------- the run
 def run_pair(preset: Preset, pair: ModelPair, folder: Path, *, device: torch.device, rank: RankInfo,
-             max_generations: int | None = None, command_line: Sequence[str] = ()) -> bool:
+             max_generations: int | None = None, command_line: Sequence[str] = (), full: bool = False) -> bool:
     """Run (or resume) one model pair into ``folder``; True when every record of this rank's share is done."""
     folder.mkdir(parents=True, exist_ok=True)
     previous = check_resumable(folder, preset, pair)
@@ -479,8 +489,14 @@ def run_pair(preset: Preset, pair: ModelPair, folder: Path, *, device: torch.dev
     if rank.is_main:
         write_manifest(folder, preset, models, rank, previous, session_info)
 
+    def record_sizing(report: dict) -> None:
+        if rank.is_main:
+            manifest = Manifest.read(folder / MANIFEST_FILENAME)
+            manifest.extra["sessions"][-1]["sizing"] = report
+            manifest.write(folder / MANIFEST_FILENAME)
+
     complete = _run_conversations(preset, models, variants, mine, done, rank.records_path(folder), rank,
-                                  max_generations)
+                                  max_generations, full=full or rank.world > 1, report_to=record_sizing)
     if rank.is_main:
         finish_manifest(folder, complete)
     return complete
@@ -488,7 +504,7 @@ def run_pair(preset: Preset, pair: ModelPair, folder: Path, *, device: torch.dev
 
 def _run_conversations(preset: Preset, models: Models, variants: list[Variant], mine: list[Conversation],
                        done: dict[tuple, SampleRecord], records_path: Path, rank: RankInfo,
-                       max_generations: int | None) -> bool:
+                       max_generations: int | None, full: bool = False, report_to=None) -> bool:
     from tqdm import tqdm
 
     slug = models.pair.slug
@@ -502,7 +518,29 @@ def _run_conversations(preset: Preset, models: Models, variants: list[Variant], 
             log(f"{slug}: all {len(mine)} conversations of this rank are already done")
             return True
         t_warm = time.perf_counter()
-        session.warm_up()
+        per_token = session.warm_up()
+        units = [Unit(c, turn, v) for c in todo for turn in range(len(c.item.turns)) for v in variants
+                 if v.key(c.item.dataset, c.item.sample_id, turn, c.temperature) not in done]
+        budget = None if full else preset.time_budget_s
+        kept, report = size_run(units, per_token, preset.max_new_tokens, budget if budget else float("inf"))
+        if budget and report["left_out"]:
+            keep_conv = {u.conv.index for u in kept}
+            keep_var = {u.variant for u in kept} | {v for v in variants if v.method == "ar"}
+            todo = [c for c in todo if c.index in keep_conv]
+            session.restrict([v for v in variants if v in keep_var])
+            progress.total = len(kept)
+            progress.refresh()
+            log(f"{slug}: the full grid projects to {report['projected_full_s'] / 60:.1f} min of decoding on this "
+                f"machine, over the {budget / 60:.0f}-minute budget; left out by the stated rule (samples, then outer "
+                f"DDTree budgets, then the last datasets): {', '.join(report['left_out'])}; projected now "
+                f"{report['projected_s'] / 60:.1f} min"
+                + (" (still over: nothing more is left out)" if report["projected_s"] > budget else "")
+                + ". --full runs everything.")
+        else:
+            log(f"{slug}: projected decoding time {report['projected_full_s'] / 60:.1f} min"
+                + (f" (budget {budget / 60:.0f} min)" if budget else ""))
+        if report_to is not None:
+            report_to(report)
         log(f"{slug}: warm-up {time.perf_counter() - t_warm:.1f} s; "
             f"{progress.total} generations to go ({len(done)} records already done)")
         try:
@@ -514,6 +552,63 @@ def _run_conversations(preset: Preset, models: Models, variants: list[Variant], 
     return True
 
 
+@dataclass(frozen=True)
+class Unit:
+    """One pending generation: a turn of a conversation with one variant."""
+
+    conv: Conversation
+    turn: int
+    variant: Variant
+
+
+def size_run(units: list[Unit], per_token: dict[Variant, float], max_new_tokens: int,
+             budget_s: float) -> tuple[list[Unit], dict[str, Any]]:
+    """Leave work out until the projected decoding time fits ``budget_s``; returns (kept units, report).
+
+    Projection: every generation runs ``max_new_tokens`` at its variant's warm-up seconds per token. The rule, in
+    order, while the projection exceeds the budget:
+    1. drop the last selected sample (all its turns and variants) of the dataset with the most samples left,
+       down to one sample per dataset;
+    2. drop DDTree fixed budgets from the outside in (the largest, then the smallest, ...) down to the middle one;
+       AR, DFlash and policies such as ``auto`` always stay;
+    3. drop datasets from the end of the run's order, down to one;
+    4. run what is left, and say that it will take longer than the budget.
+    """
+    def cost(us):
+        return sum(per_token.get(u.variant, 0.0) * max_new_tokens for u in us)
+
+    full = cost(units)
+    kept, left_out = list(units), []
+    while cost(kept) > budget_s:
+        samples: dict[str, list[tuple[int, str]]] = {}
+        for u in kept:
+            entry = (u.conv.index, u.conv.item.sample_id)
+            group = samples.setdefault(u.conv.item.dataset, [])
+            if entry not in group:
+                group.append(entry)
+        dataset = max(samples, key=lambda d: (len(samples[d]), d)) if samples else None
+        if dataset is not None and len(samples[dataset]) > 1:
+            index, sid = max(samples[dataset])
+            kept = [u for u in kept if u.conv.index != index]
+            left_out.append(f"{dataset} sample {sid}")
+            continue
+        fixed = sorted({u.variant.budget for u in kept if u.variant.method == "ddtree" and u.variant.policy == "fixed"})
+        if len(fixed) > 1:
+            drop = fixed[-1] if len(fixed) % 2 == 0 else fixed[0]  # outside in: the middle budget stays
+            kept = [u for u in kept if not (u.variant.policy == "fixed" and u.variant.budget == drop)]
+            left_out.append(f"DDTree budget {drop}")
+            continue
+        if len(samples) > 1:
+            last = max(samples, key=lambda d: min(samples[d]))  # the dataset that comes last in the run's order
+            kept = [u for u in kept if u.conv.item.dataset != last]
+            left_out.append(f"dataset {last}")
+            continue
+        break
+    report = {"budget_s": budget_s if budget_s != float("inf") else None, "projected_full_s": round(full, 1), "projected_s": round(cost(kept), 1),
+              "left_out": left_out, "seconds_per_token": {v.label: round(t, 5) for v, t in per_token.items()}}
+    return kept, report
+
+
 def output_folders(preset: Preset, out: Path) -> list[tuple[ModelPair, Path]]:
     if len(preset.models) == 1:
         return [(preset.models[0], out)]
@@ -521,7 +616,8 @@ def output_folders(preset: Preset, out: Path) -> list[tuple[ModelPair, Path]]:
 
 
 def run_benchmark(preset: Preset, out: str | Path, *, max_generations: int | None = None,
-                  command_line: Sequence[str] = (), rank: RankInfo | None = None, summary: bool = True) -> bool:
+                  command_line: Sequence[str] = (), rank: RankInfo | None = None, summary: bool = True,
+                  full: bool = False) -> bool:
     """Run every model pair of ``preset`` into ``out``; returns True when all records are done. Rank 0 merges
     per-rank records and prints the summary table."""
     from plots import summary_table
@@ -534,7 +630,7 @@ def run_benchmark(preset: Preset, out: str | Path, *, max_generations: int | Non
         torch_device = pick_device(preset.device, rank)
         for pair, folder in output_folders(preset, out):
             finished = run_pair(preset, pair, folder, device=torch_device, rank=rank,
-                                max_generations=max_generations, command_line=command_line)
+                                max_generations=max_generations, command_line=command_line, full=full)
             complete &= finished
             rank.barrier()
             if rank.is_main:
@@ -585,6 +681,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", help="auto (CUDA when available), cpu, cuda, cuda:1, ... (default: the preset's)")
     parser.add_argument("--out", help="run folder (default: runs/<preset>); rerun with the same folder to resume")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    parser.add_argument("--full", action="store_true",
+                        help="run the preset's whole grid even where it projects past its time budget")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="minutes of decoding to size the run to on this machine (default: the preset's)")
     parser.add_argument("--max-generations", type=int, default=None,
                         help="stop this session after N generations (the run resumes from there next time)")
     return parser.parse_args(argv)
@@ -597,7 +697,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             get_preset(args.preset), target=args.target, draft=args.draft, datasets=args.datasets,
             max_samples=args.max_samples, max_new_tokens=args.max_new_tokens, methods=args.methods,
             budgets=args.budgets, trees=args.trees, temperatures=args.temperatures, dtype=args.dtype, seed=args.seed,
-            device=args.device)
+            device=args.device, time_budget_s=args.time_budget * 60 if args.time_budget else None)
     except ValueError as err:
         print(f"benchmark: {err}", file=sys.stderr)
         return 2
@@ -608,7 +708,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         complete = run_benchmark(preset, out, max_generations=args.max_generations,
-                                 command_line=command_line)
+                                 command_line=command_line, full=args.full)
     except (FileNotFoundError, ValueError, ImportError, DatasetUnavailableError) as err:
         print(f"benchmark: {type(err).__name__}: {err}", file=sys.stderr)
         return 1

@@ -59,7 +59,9 @@ class Preset:
     budgets listed in ``optional_budgets`` are dropped with a note when the installed ``ddtree`` lacks them.
     ``trees``: DDTree tree kinds measured at every budget (``"sampled"`` at the int budgets only).
     ``samples_per_dataset`` overrides ``max_samples`` for single datasets; ``warmup_tokens`` is the length of the
-    untimed warm-up generation each method variant gets before anything is timed."""
+    untimed warm-up generation each method variant gets before anything is timed. ``time_budget_s``: after the
+    warm-up the runner projects the decoding time on this machine and, when it exceeds the budget, leaves work out by
+    a fixed rule (``experiments.benchmark.size_run``) and says what; ``--full`` runs everything."""
 
     name: str
     description: str
@@ -77,6 +79,7 @@ class Preset:
     optional_budgets: tuple[str, ...] = ()
     warmup_tokens: int = 16
     device: str = "auto"  # "auto" = CUDA when available, else CPU
+    time_budget_s: float | None = None  # decoding time the run is sized to on the machine at hand (None: run all)
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -119,6 +122,8 @@ class Preset:
             out.append(f"dtype {self.dtype!r} is not one of {DTYPES}")
         if self.max_samples < 1 or self.max_new_tokens < 1 or self.warmup_tokens < 1:
             out.append("max_samples, max_new_tokens and warmup_tokens must be >= 1")
+        if self.time_budget_s is not None and self.time_budget_s <= 0:
+            out.append("time_budget_s must be > 0 (or None: no sizing)")
         if any(n < 1 for _, n in self.samples_per_dataset):
             out.append("samples_per_dataset entries must be >= 1")
         return out
@@ -149,6 +154,7 @@ DEFAULT = Preset(
     max_new_tokens=128,
     budgets=(4, 8, 16, 32, 64, 128, "auto"),
     optional_budgets=("auto",),
+    time_budget_s=720.0,  # 12 min of decoding; with setup, warm-up and the figures: 15 min
 )
 
 QUICK = Preset(
@@ -160,6 +166,7 @@ QUICK = Preset(
     max_new_tokens=64,
     budgets=(16,),
     warmup_tokens=8,
+    time_budget_s=120.0,
 )
 
 _QWEN3_CHAT = (("enable_thinking", False),)
@@ -214,6 +221,7 @@ SAMPLING = Preset(
     budgets=(16, 32),
     trees=("topk", "sampled"),
     temperatures=(1.0,),
+    time_budget_s=720.0,
 )
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (DEFAULT, QUICK, SAMPLING, PAPER, TINY)}

@@ -263,3 +263,53 @@ def test_cost_curve_explanation_names_the_regime():
     assert "large budgets win" in explain_cost_curve(flat, 0.2)
     assert "small trees win" in explain_cost_curve(steep, 0.2) and "2.00x" in explain_cost_curve(steep, 0.2)
     assert "mid-size" in explain_cost_curve(middle, 0.5) and "0.50 of a plain step" in explain_cost_curve(middle, 0.5)
+
+
+def _units(datasets, samples, variants, turns=None):
+    from types import SimpleNamespace
+
+    from experiments.benchmark import Unit
+
+    units, index = [], 0
+    for d in datasets:
+        for k in range(samples):
+            conv = SimpleNamespace(index=index, item=SimpleNamespace(dataset=d, sample_id=f"{d}{k}"))
+            index += 1
+            units += [Unit(conv, t, v) for t in range((turns or {}).get(d, 1)) for v in variants]
+    return units
+
+
+def test_size_run_follows_the_stated_rule():
+    from experiments.benchmark import size_run
+
+    variants = [Variant("ar"), Variant("dflash")] + [Variant("ddtree", b) for b in (4, 8, 16, 32, 64, 128)] + [
+        Variant("ddtree", "auto")]
+    datasets = ("gsm8k", "math500", "aime24", "aime25", "humaneval", "mt-bench")
+    units = _units(datasets, 2, variants, {"mt-bench": 2})
+    per_token = {v: 0.01 for v in variants}  # 1.28 s per 128-token generation, 126 generations: 161 s
+    kept, report = size_run(units, per_token, 128, 1000.0)
+    assert kept == units and report["left_out"] == [] and report["projected_full_s"] == pytest.approx(161.28, abs=0.1)
+    # an AVX2-like machine: 0.3 s per token, a 12-minute budget
+    per_token = {v: 0.3 for v in variants}
+    kept, report = size_run(units, per_token, 128, 720.0)
+    out = report["left_out"]
+    # 1. one sample per dataset first (the second of each), 2. budgets from the outside in, 3. trailing datasets
+    assert out[:6] == [f"{d} sample {d}1" for d in sorted(datasets, reverse=True)]
+    assert out[6:11] == [f"DDTree budget {b}" for b in (128, 4, 64, 8, 32)]
+    assert all(x.startswith("dataset ") for x in out[11:]) and out[11:][0] == "dataset mt-bench"
+    assert report["projected_s"] <= 720.0 < report["projected_full_s"]
+    left = {(u.variant.method, u.variant.budget) for u in kept}
+    assert left == {("ar", None), ("dflash", None), ("ddtree", 16), ("ddtree", "auto")}
+    assert sum(0.3 * 128 for _ in kept) == pytest.approx(report["projected_s"])
+
+
+def test_sized_run_records_what_it_left_out(tmp_path, capsys):
+    out = tmp_path / "sized"
+    # a budget no run can meet: everything that the rule may leave out is left out, and the run still completes
+    assert benchmark.main(["--preset", "tiny", "--out", str(out), "--time-budget", "0.0001"]) == 0
+    records = read_records(out / "records.jsonl")
+    sizing = Manifest.read(out / "manifest.json").extra["sessions"][-1]["sizing"]
+    assert sizing["left_out"] and sizing["projected_s"] < sizing["projected_full_s"]
+    assert {r.dataset for r in records} == {"gsm8k"} and {r.budget for r in records if r.method == "ddtree"} == {4}
+    assert {r.method for r in records} == {"ar", "dflash", "ddtree"}
+    assert "left out by the stated rule" in capsys.readouterr().err
