@@ -45,3 +45,14 @@ def test_replay_policies_share_one_pass_and_check_input():
         replay(target, draft, make_policy("chain"), ids[:-4], 5, 20)
     with pytest.raises(ValueError, match="prompt_len"):
         draft_hidden_all_rounds(target, draft, ids, 0)
+
+
+def test_replay_evaluator_equals_the_live_evaluator():
+    from dflash_core.training.evaluate import replay_evaluator, tau_evaluator
+
+    target = make_target("llama", vocab=6, init=0.3)
+    draft = make_draft(target, block_size=5)
+    prompts = [prompt(300 + k, 3 + 2 * k, 6)[0].tolist() for k in range(4)]
+    live = tau_evaluator(target, None, prompts, 40, [4])(draft)
+    replayed = replay_evaluator(target, prompts, 40, [4])(draft)
+    assert replayed["tau"] == pytest.approx(live["tau"], abs=1e-12) and live["tau"] > 1.0

@@ -22,7 +22,7 @@ import torch
 from ..model import DFlashDraftModel, load_draft
 from .config import DraftSpec, TrainConfig, make_draft_config
 from .corpus import build_draft_vocab, load_corpus, vocab_coverage
-from .evaluate import tau_evaluator
+from .evaluate import replay_evaluator, tau_evaluator
 from .loop import export_drafter, setup_logging, train
 
 __all__ = ["TrainingData", "load_training_data", "main"]
@@ -106,6 +106,8 @@ def main(argv=None) -> None:
     p.add_argument("--max-len", type=int, default=768)
     p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--eval-prompts", type=int, default=6)
+    p.add_argument("--eval", choices=["replay", "live"], default="replay",
+                   help="tau during training: replayed from greedy continuations (fast) or the live decode loop")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
@@ -150,7 +152,9 @@ def main(argv=None) -> None:
                       eval_new_tokens=64, seed=a.seed,
                       cache_features=not data.has_features,  # keep recomputed features
                       time_budget_s=a.minutes * 60 if a.minutes else None)
-    evaluate = tau_evaluator(target, tokenizer, eval_prompts, cfg.eval_new_tokens, stops) if eval_prompts else None
+    make_eval = replay_evaluator if a.eval == "replay" else (
+        lambda t, p, n, s: tau_evaluator(t, tokenizer, p, n, s))
+    evaluate = make_eval(target, eval_prompts, cfg.eval_new_tokens, stops) if eval_prompts else None
 
     data.layer_ids = list(draft.config.target_layer_ids)
     state = train(target, draft, data.sequences, cfg, out, log, evaluate, feature_source=data.feature_source)
