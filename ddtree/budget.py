@@ -1,19 +1,27 @@
-"""Hardware-aware node budget per round (``budget="auto"``).
+"""Hardware-aware tree size per round (``budget="auto"``, and ``"chain-auto"`` for DFlash chains).
 
 The best-first tree lists nodes in order of decreasing path probability, and every prefix of that order is itself a
-valid (prefix-closed) tree. Under the drafter's factorized surrogate, verifying the first N nodes commits on average
-``1 + sum_{i<=N} p_i`` tokens (the bonus plus each node whose whole path is accepted) and costs
-``t_fixed + t_verify(N)`` seconds. Both are measured as the decode loop spends them (:func:`measure_cost_model`):
-``t_verify(N)`` is everything in a round that grows with the tree (compiling ids, positions and the ancestor mask, the
-target's forward over N+1 tokens on a cache of the caller's context length, the walk, the cache compaction) and
-``t_fixed`` the rest (the drafter pass with its LM head, and the policy building its tree at the cap and choosing the
-prefix). ``AutoBudget`` builds the tree up to a cap once and keeps the prefix with the highest expected tokens per
-second. A GPU profile written by ``experiments.gpu_check`` can stand in for a measurement
+valid (prefix-closed) tree. Verifying the first N nodes commits on average ``1 + sum_{i<=N} a_i`` tokens, a_i the
+probability that node i's whole path is accepted, and costs ``t_fixed + t_verify(N)`` seconds. Both costs are measured
+as the decode loop spends them (:func:`measure_cost_model`): ``t_verify(N)`` is everything in a round that grows with
+the tree (compiling ids, positions and the ancestor mask, the target's forward over N+1 tokens on a cache of the
+caller's context length, the walk, the cache compaction) and ``t_fixed`` the rest (the drafter pass with its LM head,
+and the policy building its tree at the cap and choosing the prefix). Curves are cached per machine, model pair,
+dtype, thread count, CPU kernels and context length; a GPU profile written by ``experiments.gpu_check`` can stand in
 (:meth:`CostModel.from_profile`).
 
-The surrogate's probabilities are not the target's. With ``calibrate=True`` the policy fits an exponent beta online so
-that ``sum p_i ** beta`` over the verified nodes matches the draft tokens the target actually accepted in recent rounds
-(beta > 1 when the drafter is over-confident). Calibration changes only which prefix is chosen, never the output.
+Each round :class:`AutoBudget` builds the tree up to a cap once and keeps the prefix that maximizes
+
+* the marginal rule (default): ``1 + sum a_i - rate * seconds(N)``, rate = committed tokens per modeled second over
+  the rounds it remembers. This maximizes the long-run rate sum(tokens) / sum(seconds) (Dinkelbach's fixed point of
+  the renewal-reward ratio): confident rounds get larger trees and doubtful ones smaller than under
+* the ratio rule: ``(1 + sum a_i) / seconds(N)``, the best tokens per second of the round alone.
+
+The a_i are the drafter's path probabilities calibrated online against what the target accepted (default
+``depth``: one factor per depth; ``power``: p ** beta; ``bucket``: a reliability histogram over log p; ``none``: the
+drafter's own numbers), see :func:`calibrated_probs`. ``python -m experiments.auto_budget_study`` compares rules,
+calibrations and fixed budgets by offline replay under several cost curves. Nothing here reads a clock, so the
+choices are replayable, and neither the rule nor the calibration ever changes the output, only the tree size.
 """
 
 from __future__ import annotations
@@ -34,8 +42,8 @@ import torch
 from .build import build_tree
 from .tree import DraftTree
 
-__all__ = ["CostModel", "AutoBudget", "measure_cost_model", "median_seconds", "best_prefix", "truncate_tree",
-           "default_cap", "context_bucket"]
+__all__ = ["CostModel", "AutoBudget", "Round", "RoundMemory", "CALIBRATIONS", "RULES", "calibrated_probs", "measure_cost_model",
+           "median_seconds", "best_prefix", "truncate_tree", "default_cap", "context_bucket", "forget_shared_memory"]
 
 
 def default_cap(device: torch.device) -> int:
@@ -121,6 +129,8 @@ def _device_name(device: torch.device) -> str:
 
 
 def _cost_key(target, draft, device: torch.device, dtype: torch.dtype) -> str:
+    from dflash_core.cpu_kernels import active_kernels
+
     cfg = target.config
     ident = {
         "device": _device_name(device), "threads": torch.get_num_threads() if device.type == "cpu" else None,
@@ -129,6 +139,7 @@ def _cost_key(target, draft, device: torch.device, dtype: torch.dtype) -> str:
         "draft": [draft.config.num_hidden_layers, draft.config.block_size,
                   getattr(draft.config, "draft_vocab_size", None)] if draft is not None else None,
         "torch": torch.__version__,
+        "kernels": active_kernels(target),
     }
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -242,11 +253,21 @@ def measure_cost_model(target, draft, grid: tuple[int, ...] | None = None, conte
 
 
 # ---------------------------------------------------------------------------------------------------- the policy
-def best_prefix(path_probs: np.ndarray, cost: CostModel) -> int:
-    """argmax_N (1 + sum_{i<=N} p_i) / round_seconds(N) over N = 0..len(path_probs) (smallest N on ties)."""
+def best_prefix(path_probs: np.ndarray, cost: CostModel, rate: float | None = None) -> int:
+    """The tree size N in 0..len(path_probs) to verify (smallest N on ties).
+
+    ``rate=None`` (the ratio rule): argmax_N (1 + sum_{i<=N} p_i) / round_seconds(N), the best tokens per second of
+    this round alone. ``rate`` = lambda > 0 (the marginal rule): argmax_N (1 + sum_{i<=N} p_i) - lambda *
+    round_seconds(N), i.e. add nodes while each one's expected tokens pay for its cost at the run's long-run rate.
+    The marginal rule maximizes the long-run rate (sum tokens / sum seconds over many rounds) when lambda is that
+    rate (Dinkelbach): the ratio rule stops too early in confident rounds and too late in doubtful ones.
+    """
     n = np.arange(len(path_probs) + 1)
     gain = 1.0 + np.concatenate([[0.0], np.cumsum(path_probs)])
-    return int(np.argmax(gain / cost.round_seconds(n)))
+    seconds = cost.round_seconds(n)
+    if rate is None:
+        return int(np.argmax(gain / seconds))
+    return int(np.argmax(gain - rate * seconds))
 
 
 def truncate_tree(tree: DraftTree, n: int) -> DraftTree:
@@ -254,49 +275,225 @@ def truncate_tree(tree: DraftTree, n: int) -> DraftTree:
     return DraftTree(tree.token_ids[:n], tree.parents[:n], tree.depths[:n], tree.log_probs[:n])
 
 
+@dataclass(frozen=True)
+class Round:
+    """What one verified round tells the policy: the drafter's path log-probabilities and depths of the verified
+    nodes, which of them the target accepted, and the round's modeled seconds."""
+
+    log_p: np.ndarray  # [n] float64
+    depths: np.ndarray  # [n] int
+    accepted: np.ndarray  # [n] bool: node on the accepted path
+    seconds: float
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the round committed: the accepted draft tokens and the bonus."""
+        return int(self.accepted.sum()) + 1
+
+
+CALIBRATIONS = ("none", "power", "depth", "bucket")
+RULES = ("marginal", "ratio")
+DEFAULT_CALIBRATION = "depth"
+_BUCKET_EDGES = np.array([-6.0, -4.0, -3.0, -2.5, -2.0, -1.5, -1.0, -0.7, -0.4, -0.2, -0.1])  # on log p
+_MAX_DEPTH = 64
+
+
+class RoundMemory:
+    """The last ``window`` rounds with running totals (tokens, modeled seconds, per-depth and per-bucket counts),
+    so a policy reads its rate and calibration in O(depths + buckets) per round."""
+
+    def __init__(self, window: int = 256) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window = window
+        self.rounds: deque[Round] = deque()
+        self.tokens, self.seconds = 0, 0.0
+        self.depth_pred, self.depth_obs = np.zeros(_MAX_DEPTH + 1), np.zeros(_MAX_DEPTH + 1)
+        self.depth_nodes = np.zeros(_MAX_DEPTH + 1, dtype=np.int64)
+        self.bucket_nodes = np.zeros(len(_BUCKET_EDGES) + 1, dtype=np.int64)
+        self.bucket_hits = np.zeros(len(_BUCKET_EDGES) + 1)
+
+    def __len__(self) -> int:
+        return len(self.rounds)
+
+    def __iter__(self):
+        return iter(self.rounds)
+
+    def _add(self, r: Round, sign: int) -> None:
+        self.tokens += sign * r.tokens
+        self.seconds += sign * r.seconds
+        depths = np.minimum(r.depths.astype(int), _MAX_DEPTH)
+        self.depth_pred += sign * np.bincount(depths, weights=np.exp(r.log_p), minlength=_MAX_DEPTH + 1)
+        self.depth_obs += sign * np.bincount(depths, weights=r.accepted.astype(float), minlength=_MAX_DEPTH + 1)
+        self.depth_nodes += sign * np.bincount(depths, minlength=_MAX_DEPTH + 1)
+        which = np.searchsorted(_BUCKET_EDGES, r.log_p)
+        self.bucket_nodes += sign * np.bincount(which, minlength=len(_BUCKET_EDGES) + 1)
+        self.bucket_hits += sign * np.bincount(which, weights=r.accepted.astype(float),
+                                               minlength=len(_BUCKET_EDGES) + 1)
+
+    def append(self, r: Round) -> None:
+        self.rounds.append(r)
+        self._add(r, +1)
+        if len(self.rounds) > self.window:
+            self._add(self.rounds.popleft(), -1)
+
+    @classmethod
+    def of(cls, rounds) -> "RoundMemory":
+        if isinstance(rounds, RoundMemory):
+            return rounds
+        memory = cls(max(1, len(rounds)))
+        for r in rounds:
+            memory.append(r)
+        return memory
+
+
+def calibrated_probs(log_p: np.ndarray, depths: np.ndarray, rounds, method: str, prior: float = 2.0) -> np.ndarray:
+    """The acceptance probability of each node (path log-prob ``log_p``, depth ``depths``) learnt from ``rounds``
+    (a :class:`RoundMemory` or a sequence of :class:`Round`).
+
+    * ``none``   -- the drafter's own path probability;
+    * ``power``  -- p ** beta, one exponent for all nodes with sum p ** beta = accepted tokens over ``rounds``;
+    * ``depth``  -- f_d * p per depth d, f_d = (accepted at d + prior) / (sum of p at d + prior): the drafter's
+      over- or under-confidence may grow with depth (depths beyond those seen take the deepest seen factor);
+    * ``bucket`` -- per bucket of log p, the observed acceptance rate shrunk toward p:
+      (accepted in bucket + prior * p) / (nodes in bucket + prior) (a histogram / reliability-diagram fit).
+
+    A node counts as accepted when it lies on the path the target accepted, so its probability is that of its whole
+    path: exactly the quantity the expected committed tokens ``1 + sum p_i`` add up.
+    """
+    p = np.exp(log_p)
+    if method not in CALIBRATIONS:
+        raise ValueError(f"unknown calibration {method!r}: use one of {CALIBRATIONS}")
+    if method == "none" or not len(rounds):
+        return p
+    if method == "power":
+        return np.exp(_fit_beta([(r.log_p, int(r.accepted.sum())) for r in rounds]) * log_p)
+    memory = RoundMemory.of(rounds)
+    if method == "depth":
+        factor = (memory.depth_obs + prior) / (memory.depth_pred + prior)
+        last = 1.0
+        for d in range(len(factor)):  # unseen depths: the factor of the deepest seen depth above them
+            if memory.depth_nodes[d] > 0:
+                last = factor[d]
+            else:
+                factor[d] = last
+        return np.clip(factor[np.minimum(depths.astype(int), _MAX_DEPTH)] * p, 0.0, 1.0)
+    mine = np.searchsorted(_BUCKET_EDGES, log_p)
+    return (memory.bucket_hits[mine] + prior * p) / (memory.bucket_nodes[mine] + prior)
+
+
 class AutoBudget:
-    """Per-round node budget that maximizes expected committed tokens per second under a measured cost curve."""
+    """Per-round tree size that maximizes committed tokens per second under a measured cost curve.
+
+    Each round the best-first tree is built up to ``cap`` nodes (``chain=True``: the drafter's top-1 chain, i.e. a
+    DFlash block of chosen length), the nodes' acceptance probabilities are estimated (``calibrate``: see
+    :func:`calibrated_probs`) and the prefix to verify is chosen by ``rule`` (see :func:`best_prefix`; the marginal
+    rule uses the committed tokens per modeled second of the rounds remembered so far as its rate). Nothing here
+    reads a clock: given the same drafter logits and feedback the choices are the same (replayable).
+
+    ``memory``: the rounds learnt from (a :class:`RoundMemory` of at most ``window`` rounds). :meth:`for_models`
+    shares one memory between the generations of the same target, drafter, machine, temperature and policy kind in a
+    process, so a new prompt starts calibrated. Neither calibration nor the rule ever changes the output, only the tree size.
+    """
 
     uses_draft = True
-    name = "auto"
 
-    def __init__(self, cost: CostModel, cap: int = 128, calibrate: bool = True, window: int = 64) -> None:
+    def __init__(self, cost: CostModel, cap: int = 128, calibrate: bool | str = True, window: int = 256,
+                 rule: str = "marginal", chain: bool = False, memory: RoundMemory | None = None,
+                 warmup: int = 4) -> None:
         if cap < 0:
             raise ValueError(f"cap must be >= 0, got {cap}")
-        self.cost, self.cap, self.calibrate = cost, cap, calibrate
-        self.beta = 1.0
-        self._history: deque[tuple[np.ndarray, int]] = deque(maxlen=window)  # (log p of verified nodes, accepted)
-        self._pending: np.ndarray | None = None
+        method = (DEFAULT_CALIBRATION if calibrate else "none") if isinstance(calibrate, bool) else calibrate
+        if method not in CALIBRATIONS:
+            raise ValueError(f"unknown calibration {calibrate!r}: use one of {CALIBRATIONS} (or True / False)")
+        if rule not in RULES:
+            raise ValueError(f"unknown rule {rule!r}: use one of {RULES}")
+        self.cost, self.cap, self.calibrate, self.rule, self.chain = cost, cap, method, rule, chain
+        self.name = "chain-auto" if chain else "auto"
+        self.memory = memory if memory is not None else RoundMemory(window)
+        self.warmup = warmup
+        self._pending: tuple[np.ndarray, np.ndarray, float] | None = None
         self.chosen: list[int] = []  # tree size picked each round (for studies)
 
     @classmethod
-    def for_models(cls, target, draft, cap: int | None = None, calibrate: bool = True, cost: CostModel | None = None,
-                   context: int | None = None, profile: str | Path | None = None) -> "AutoBudget":
+    def for_models(cls, target, draft, cap: int | None = None, calibrate: bool | str = True,
+                   cost: CostModel | None = None, context: int | None = None, profile: str | Path | None = None,
+                   rule: str = "marginal", chain: bool = False, temperature: float = 0.0,
+                   shared: bool = True, window: int = 256) -> "AutoBudget":
         """The policy with the cost curve of ``target`` + ``draft`` on this machine: ``cost`` if given, else the
         curve of a GPU ``profile`` (``experiments.gpu_check``), else measured (once, then cached) on a cache of
-        ``context_bucket(context)`` tokens (``context``: the prompt length; default 256)."""
+        ``context_bucket(context)`` tokens (``context``: the prompt length; default 256). ``shared``: continue the
+        memory of earlier generations with the same models, machine, ``temperature``, cap, rule and kind."""
         cap = cap if cap is not None else default_cap(target.lm_head.weight.device)
         if cost is None and profile is not None:
             cost = CostModel.from_profile(profile, context=context)
         if cost is None:
             cost = measure_cost_model(target, draft, context=context_bucket(context) if context else 256, cap=cap)
-        return cls(cost, cap=cap, calibrate=calibrate)
+        memory = None
+        if shared:
+            key = (cost.key or id(target), id(draft), float(temperature), cap, rule, chain, str(calibrate))
+            memory = _SHARED_MEMORY.setdefault(key, RoundMemory(window))
+        return cls(cost, cap=cap, calibrate=calibrate, rule=rule, chain=chain, memory=memory)
 
-    def observe(self, accepted_draft_tokens: int) -> None:
-        """Feed back how many draft tokens the target accepted in the round just verified."""
-        if self._pending is not None:
-            self._history.append((self._pending, accepted_draft_tokens))
-            self._pending = None
-            if self.calibrate and len(self._history) >= 4:
-                self.beta = _fit_beta(self._history)
+    @property
+    def beta(self) -> float:
+        """The power calibration's exponent on the remembered rounds (1.0 before any)."""
+        return _fit_beta([(r.log_p, int(r.accepted.sum())) for r in self.memory]) if self.memory else 1.0
 
-    def propose(self, draft_logits: torch.Tensor, history: list[int]) -> DraftTree:
-        tree = build_tree(draft_logits, self.cap)
-        log_p = tree.log_probs.double().numpy()
-        n = best_prefix(np.exp(self.beta * log_p), self.cost)
+    @property
+    def rate(self) -> float | None:
+        """Committed tokens per modeled second over the remembered rounds (None until ``warmup`` rounds)."""
+        if len(self.memory) < self.warmup:
+            return None
+        return self.memory.tokens / max(self.memory.seconds, 1e-12)
+
+    def observe(self, accepted_draft_tokens: int, path: list[int] | None = None) -> None:
+        """Feed back the round just verified: how many draft tokens the target accepted and (when known) which
+        nodes (indices into the proposal). Without ``path`` the accepted nodes are taken as the best-first
+        tree's most probable node at each depth up to the accepted count (exact for a chain)."""
+        if self._pending is None:
+            return
+        log_p, depths, seconds = self._pending
+        self._pending = None
+        accepted = np.zeros(len(log_p), dtype=bool)
+        if path is not None:
+            accepted[np.asarray(path, dtype=int)] = True
+        else:
+            for d in range(1, accepted_draft_tokens + 1):
+                at = np.flatnonzero(depths == d)
+                if len(at):
+                    accepted[at[np.argmax(log_p[at])]] = True
+        self.memory.append(Round(log_p, depths, accepted, seconds))
+
+    def propose(self, draft_logits: torch.Tensor, history: list[int]):
+        if self.chain:
+            from dflash_core.decoding import Chain
+
+            full = Chain().propose(draft_logits[: self.cap], history)
+            log_p = full.log_probs.double().numpy()
+            depths = np.arange(1, len(log_p) + 1)
+        else:
+            full = build_tree(draft_logits, self.cap)
+            log_p = full.log_probs.double().numpy()
+            depths = full.depths.numpy()
+        ready = len(self.memory) >= self.warmup
+        probs = calibrated_probs(log_p, depths, self.memory if ready else (), self.calibrate)
+        n = best_prefix(probs, self.cost, self.rate if self.rule == "marginal" else None)
         self.chosen.append(n)
-        self._pending = log_p[:n]
-        return truncate_tree(tree, n)
+        self._pending = (log_p[:n], depths[:n], float(self.cost.round_seconds(n)))
+        if self.chain:
+            from dflash_core.decoding import ChainProposal
+
+            return ChainProposal(full.token_ids[:n], full.log_probs[:n])
+        return truncate_tree(full, n)
+
+
+_SHARED_MEMORY: dict[tuple, RoundMemory] = {}
+
+
+def forget_shared_memory() -> None:
+    """Drop what ``AutoBudget.for_models`` policies learnt in this process (tests, or a changed workload)."""
+    _SHARED_MEMORY.clear()
 
 
 def _fit_beta(history) -> float:

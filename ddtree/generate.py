@@ -6,7 +6,8 @@ with plus the target's own next token. Policies:
 
 * ``budget="chain"`` -- the drafter's top-1 token per depth, i.e. exactly DFlash;
 * ``budget=<int>``  -- a fixed node budget per round (the DDTree paper's setting);
-* ``budget="auto"`` -- per-round budget chosen from a measured verify-cost curve (see :mod:`ddtree.budget`).
+* ``budget="auto"`` -- per-round tree size chosen from a measured round-cost curve (see :mod:`ddtree.budget`);
+* ``budget="chain-auto"`` -- DFlash with a per-round chain length chosen the same way.
 
 Tree kinds (``tree=``), for a fixed budget:
 
@@ -72,12 +73,13 @@ def make_policy(budget, target=None, draft=None, tree: str = "topk", temperature
             return SampledTree(budget, temperature, seed=seed, token_map=token_map)
     if budget == "chain":
         return Chain()
-    if budget == "auto":
+    if budget in ("auto", "chain-auto"):
         from .budget import AutoBudget
 
-        return AutoBudget.for_models(target, draft, **auto_options)
+        return AutoBudget.for_models(target, draft, chain=budget == "chain-auto", temperature=temperature,
+                                     **auto_options)
     if isinstance(budget, str):
-        raise ValueError(f"unknown budget policy {budget!r}: use an int >= 0, 'chain' or 'auto'")
+        raise ValueError(f"unknown budget policy {budget!r}: use an int >= 0, 'chain', 'auto' or 'chain-auto'")
     return FixedBudget(budget)
 
 
@@ -102,15 +104,16 @@ def ddtree_generate(
     ``result.expected_acceptance`` / ``result.acceptance_lengths`` give per-round tree size, the drafter's expected
     and the actual committed tokens; ``trace=True`` keeps every round's tree in ``result.trees``. ``policy``
     overrides ``budget`` and ``tree`` with any object implementing dflash_core's ProposalPolicy. ``budget="auto"``
-    measures its cost curve at the prompt's length (rounded up to a power of two; cached per machine and model).
+    (and ``"chain-auto"``) measures its cost curve at the prompt's length (rounded up to a power of two; cached per machine and model).
     Trees need a target whose attention backend applies a 4D mask (SDPA, eager, flex): anything else raises
-    ``IncompatibleModelError``; ``budget="chain"`` runs on any backend.
+    ``IncompatibleModelError``; ``budget="chain"`` and ``"chain-auto"`` run on any backend.
     """
-    if not isinstance(policy, Chain) and (policy is not None or budget != "chain"):
+    chain = isinstance(policy, Chain) or getattr(policy, "chain", False) is True
+    if not chain and (policy is not None or budget not in ("chain", "chain-auto")):
         check_tree_attention(target)  # before any work: a tree needs a backend that applies the 4D mask
     if policy is None:
         context = int(input_ids.shape[-1]) if isinstance(input_ids, torch.Tensor) else None
         policy = make_policy(budget, target, draft, tree=tree, temperature=temperature, seed=seed,
-                             **({"context": context} if budget == "auto" else {}))
+                             **({"context": context} if budget in ("auto", "chain-auto") else {}))
     return speculative_generate(target, draft, input_ids, policy, max_new_tokens, temperature, stop_token_ids, seed,
                                 block_size=block_size, trace=trace)

@@ -16,6 +16,7 @@ target's distribution was computed in advance; it never changes which token is d
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
@@ -51,8 +52,8 @@ class ProposalPolicy(Protocol):
     name: str
     uses_draft: bool
 
-    # Optional: ``observe(accepted: int)`` is called after each round with the number of draft tokens accepted
-    # (adaptive policies learn from it).
+    # Optional: ``observe(accepted: int[, path: list[int]])`` is called after each round with the number of draft
+    # tokens accepted and, when it takes a second argument, the accepted nodes' indices (adaptive policies learn).
 
     def propose(self, draft_logits: torch.Tensor | None, history: list[int]) -> Proposal:
         """draft_logits: [b-1, V] float32, row d-1 = the drafter's logits for depth d (None when uses_draft is
@@ -162,6 +163,22 @@ def verify_walk(
     return follow(proposal.token_ids, proposal.parents, logits, temperature, generator)
 
 
+def observer(policy):
+    """The policy's feedback hook as ``f(path)`` (None when it has none): ``observe(len(path), path)`` when its
+    ``observe`` takes the accepted nodes too, else ``observe(len(path))``."""
+    observe = getattr(policy, "observe", None)
+    if observe is None:
+        return None
+    try:
+        params = list(inspect.signature(observe).parameters.values())
+        takes_path = len(params) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
+    except (TypeError, ValueError):  # a builtin without a signature
+        takes_path = False
+    if takes_path:
+        return lambda path: observe(len(path), path)
+    return lambda path: observe(len(path))
+
+
 # ---------------------------------------------------------------------------------------------------- the loop
 @dataclass
 class GenerationResult:
@@ -247,7 +264,7 @@ def speculative_generate(
         # the drafter may sit on another GPU than the target's head (a target split with device_map="auto")
         draft_device, draft_dtype = next(draft.parameters()).device, next(draft.parameters()).dtype
         block_tail = torch.full((b - 1,), draft.mask_token_id, dtype=torch.long, device=device)
-    observe = getattr(policy, "observe", None)  # optional feedback hook: draft tokens accepted this round
+    observe = observer(policy)  # optional feedback hook: the nodes accepted this round
     t_loop = time.perf_counter()
 
     while not done:
@@ -271,7 +288,7 @@ def speculative_generate(
         with timer.stage("commit"):
             path, bonus = verify_walk(proposal, out.logits, temperature, generator)
             if observe is not None:
-                observe(len(path))
+                observe(path)
             keep = torch.tensor([0] + [i + 1 for i in path], dtype=torch.long)  # root + accepted nodes
             adapter.compact(cache, start, keep)
             if policy.uses_draft:

@@ -14,8 +14,9 @@ one-token plain decoding, so its output (and tau) can drift from the replay's by
 drafter costs one drafter pass per prompt instead of a target forward per round, which makes ablations and
 frequent evaluation during training cheap.
 
-Only policies that do not look at time or at their own past acceptance are replayed faithfully (the chain and
-fixed-budget trees); an ``observe`` hook, if present, is still called after each round.
+Policies are replayed faithfully when they do not read a clock: the chain, fixed budgets, and ``budget="auto"`` (it
+learns from the ``observe`` feedback, which the replay gives after each round exactly as the loop does, and prices
+trees with its cost model, not with timings).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .decoding import ProposalPolicy, verify_walk
+from .decoding import ProposalPolicy, observer, verify_walk
 from .target import TargetAdapter
 
 __all__ = ["ReplayResult", "draft_hidden_all_rounds", "replay", "replay_policies"]
@@ -95,7 +96,7 @@ def replay(target, draft, policy: ProposalPolicy, ids: torch.Tensor, prompt_len:
     done = history[-1] in stops or max_new_tokens <= 1
     anchor = prompt_len
     result = ReplayResult([], [])
-    observe = getattr(policy, "observe", None)
+    observe = observer(policy)
     while not done:
         if anchor - prompt_len >= len(hidden):
             raise ValueError("the continuation ended before max_new_tokens without a stop token: pass the full "
@@ -112,7 +113,7 @@ def replay(target, draft, policy: ProposalPolicy, ids: torch.Tensor, prompt_len:
         logits[choice < 0, 0] = 1.0  # only past the last committed token: truncated below
         path, bonus = verify_walk(proposal, logits, 0.0, None)
         if observe is not None:
-            observe(len(path))
+            observe(path)
         committed = [int(proposal.token_ids[i]) for i in path] + [bonus]
         for k, token in enumerate(committed):
             history.append(token)

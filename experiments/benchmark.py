@@ -108,7 +108,7 @@ def budget_supported(budget: int | str) -> bool:
     """Integer budgets always are; a policy such as ``"auto"`` when the installed ddtree implements it."""
     if isinstance(budget, int):
         return True
-    if budget == "auto":
+    if budget in ("auto", "chain-auto"):
         try:
             import ddtree.budget  # noqa: F401
         except ImportError:
@@ -482,6 +482,11 @@ def run_pair(preset: Preset, pair: ModelPair, folder: Path, *, device: torch.dev
         f"{str(models.dtype).removeprefix('torch.')}; variants: {', '.join(v.label for v in variants)}")
     session_info = {"started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command_line": list(command_line),
                     "rank_world": rank.world}
+    if models.device.type == "cpu":
+        from dflash_core.cpu_kernels import apply_cpu_kernels
+
+        session_info["cpu_kernels"] = apply_cpu_kernels(models.target, models.draft, kernels=preset.cpu_kernels)
+        log(f"{pair.slug}: CPU linear kernels: {session_info['cpu_kernels']} (asked: {preset.cpu_kernels})")
     if rank.is_main and models.draft is not None and any(v.method != "ar" for v in variants):
         curve = machine_cost_curve(models)
         session_info["cost_curve"] = curve
@@ -681,6 +686,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", help="auto (CUDA when available), cpu, cuda, cuda:1, ... (default: the preset's)")
     parser.add_argument("--out", help="run folder (default: runs/<preset>); rerun with the same folder to resume")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    parser.add_argument("--cpu-kernels", choices=("torch", "packed", "auto"), default=None,
+                        help="linear kernels on a CPU (default: the preset's; see dflash_core.cpu_kernels)")
     parser.add_argument("--full", action="store_true",
                         help="run the preset's whole grid even where it projects past its time budget")
     parser.add_argument("--time-budget", type=float, default=None,
@@ -697,7 +704,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             get_preset(args.preset), target=args.target, draft=args.draft, datasets=args.datasets,
             max_samples=args.max_samples, max_new_tokens=args.max_new_tokens, methods=args.methods,
             budgets=args.budgets, trees=args.trees, temperatures=args.temperatures, dtype=args.dtype, seed=args.seed,
-            device=args.device, time_budget_s=args.time_budget * 60 if args.time_budget else None)
+            device=args.device, time_budget_s=args.time_budget * 60 if args.time_budget else None,
+            cpu_kernels=args.cpu_kernels)
     except ValueError as err:
         print(f"benchmark: {err}", file=sys.stderr)
         return 2

@@ -35,8 +35,11 @@ def protocol_prompts(tokenizer) -> list[tuple[str, str, str, list[int]]]:
     return out
 
 
-def reference_continuations(target, prompts, max_new_tokens: int, stops, path: Path) -> dict[str, list[int]]:
-    """{dataset/sample_id: the target's greedy continuation}, cached in ``path`` per target fingerprint."""
+def reference_continuations(target, prompts, max_new_tokens: int, stops, path: Path, temperature: float = 0.0,
+                            seed: int = 0) -> dict[str, list[int]]:
+    """{dataset/sample_id: the target's continuation}, cached in ``path`` per target fingerprint: greedy, or at
+    ``temperature`` > 0 sampled by plain decoding with ``seed`` (replaying a sampled continuation gives the rounds
+    of sample-and-match decoding under the coupling in which the target draws exactly these tokens)."""
     import json
 
     from dflash_core import autoregressive_generate
@@ -45,14 +48,16 @@ def reference_continuations(target, prompts, max_new_tokens: int, stops, path: P
     from .schema import write_json_atomic
 
     key = target_fingerprint(target) + f"/{next(target.parameters()).dtype}/{max_new_tokens}/{sorted(stops)}"
+    if temperature > 0:
+        key += f"/T={temperature}/seed={seed}"
     cached = json.loads(path.read_text()) if path.exists() else {}
     if cached.get("key") != key:
         cached = {"key": key, "continuations": {}}
     refs = cached["continuations"]
     missing = [(name, sid, ids) for _, name, sid, ids in prompts if f"{name}/{sid}" not in refs]
     for name, sid, ids in missing:
-        refs[f"{name}/{sid}"] = autoregressive_generate(target, torch.tensor([ids]), max_new_tokens,
-                                                        stop_token_ids=stops).new_token_ids
+        refs[f"{name}/{sid}"] = autoregressive_generate(target, torch.tensor([ids]), max_new_tokens, temperature,
+                                                        stop_token_ids=stops, seed=seed).new_token_ids
     if missing:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, cached)

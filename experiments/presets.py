@@ -1,11 +1,13 @@
 """Benchmark presets: frozen configurations for ``python -m experiments.benchmark --preset NAME``.
 
 * ``default`` -- the embedded offline pair (SmolLM2-135M-Instruct + the shipped drafter) on this kind of 2-core CPU:
-  all six offline datasets, a few samples each, AR + DFlash + DDTree at budgets 4/8/16/32/64/128 (+ ``auto``), greedy.
+  all six offline datasets, a few samples each, AR + DFlash + DDTree at budgets 2/4/8/16/32/64 (+ ``auto`` and
+  ``chain-auto``), greedy.
   Sized so that ``bash run_benchmark.sh`` on a fresh clone, setup included, ends within 15 minutes.
 * ``quick``   -- a smoke test of the same path in well under 3 minutes.
 * ``sampling``-- the same pair at T = 1: the deterministic top-K tree (sample-and-match) next to the sampled tree
-  (recursive rejection sampling) at budgets 16 and 32, with AR and DFlash, on the six offline datasets; ~15 minutes.
+  (recursive rejection sampling) at budgets 16 and 32, ``auto`` (top-K), AR and DFlash, on the six offline datasets;
+  ~15 minutes.
 * ``paper``   -- the DDTree paper's grid on CUDA (Qwen3-4B/8B, Qwen3-Coder-30B-A3B with the z-lab drafters,
   10 datasets, budgets 16..1024, T in {0, 1}); launch with ``torchrun --nproc_per_node=<gpus>``.
 * ``tiny``    -- random tiny models built from configs (no files at all); what the tests run.
@@ -27,7 +29,7 @@ __all__ = ["ModelPair", "Preset", "PRESETS", "DTYPES", "BUDGET_POLICIES", "TREE_
            "with_overrides"]
 
 DTYPES = ("auto", "bf16", "fp16", "fp32", "fp64")
-BUDGET_POLICIES = ("auto",)  # string budgets the runner knows, besides integer node budgets
+BUDGET_POLICIES = ("auto", "chain-auto")  # string budgets the runner knows, besides integer node budgets
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,9 @@ class Preset:
     ``samples_per_dataset`` overrides ``max_samples`` for single datasets; ``warmup_tokens`` is the length of the
     untimed warm-up generation each method variant gets before anything is timed. ``time_budget_s``: after the
     warm-up the runner projects the decoding time on this machine and, when it exceeds the budget, leaves work out by
-    a fixed rule (``experiments.benchmark.size_run``) and says what; ``--full`` runs everything."""
+    a fixed rule (``experiments.benchmark.size_run``) and says what; ``--full`` runs everything. ``cpu_kernels``:
+    how the models' linear layers multiply on a CPU (``auto``: the faster of ``torch`` and oneDNN-``packed`` on this
+    machine, measured once; see ``dflash_core.cpu_kernels``)."""
 
     name: str
     description: str
@@ -80,6 +84,7 @@ class Preset:
     warmup_tokens: int = 16
     device: str = "auto"  # "auto" = CUDA when available, else CPU
     time_budget_s: float | None = None  # decoding time the run is sized to on the machine at hand (None: run all)
+    cpu_kernels: str = "torch"  # linear kernels on a CPU: torch, packed or auto (dflash_core.cpu_kernels)
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -122,6 +127,8 @@ class Preset:
             out.append(f"dtype {self.dtype!r} is not one of {DTYPES}")
         if self.max_samples < 1 or self.max_new_tokens < 1 or self.warmup_tokens < 1:
             out.append("max_samples, max_new_tokens and warmup_tokens must be >= 1")
+        if self.cpu_kernels not in ("torch", "packed", "auto"):
+            out.append(f"cpu_kernels must be torch, packed or auto, got {self.cpu_kernels!r}")
         if self.time_budget_s is not None and self.time_budget_s <= 0:
             out.append("time_budget_s must be > 0 (or None: no sizing)")
         if any(n < 1 for _, n in self.samples_per_dataset):
@@ -138,13 +145,12 @@ class Preset:
 _SMOLLM2 = ModelPair("default", "default", name="smollm2-135m")
 
 # Time budget on this 2-core CPU in bf16, from the verify costs in FACTS §3 (one forward: 22 ms for 1 token, 28 ms
-# for 16, 37 ms for 32, 52 ms for 64) plus ~5-10 ms of drafter and bookkeeping per round: all seven variants of one
-# turn together cost ~0.12 s per generated token at the drafter quality issue 4 asks for (τ ≈ 2.5-3.5), ~0.18 s at
-# τ ≈ 1.5. 6 datasets x 2 samples + 2 MT-Bench second turns = 14 turns x 9 variants x 128 tokens: measured ~5 s per
-# generation with the shipped drafter (~10.5 min of decoding), plus
-# prefill, warm-up and the cost measurement of `auto` (~1 min), first-time setup and the figures: within 15 minutes.
-# Budgets 4 and 128 bracket the sweep so the 'auto' policy is compared, interleaved in one run, with the best fixed
-# budget among {4, ..., 128} chosen after the fact (the oracle).
+# for 16, 37 ms for 32, 52 ms for 64) plus ~5-10 ms of drafter and bookkeeping per round. 6 datasets x 2 samples + 2
+# MT-Bench second turns = 14 turns x 10 variants x 128 tokens at ~4-5 s per generation with the shipped drafter is
+# ~10-12 min of decoding, plus prefill, warm-up and the cost measurement of `auto` (~1 min), first-time setup and the
+# figures; where the machine is slower the run sizes itself (`time_budget_s`, experiments.benchmark.size_run).
+# The fixed budgets 2..64 are the set issue 11 scores `auto` against: the best of them per dataset, chosen after the
+# fact (the oracle), interleaved in one run with `auto` and `chain-auto` (DFlash with a chosen chain length).
 DEFAULT = Preset(
     name="default",
     description="embedded SmolLM2-135M pair on CPU: 6 offline datasets x 2 samples, 128 tokens, T=0",
@@ -152,8 +158,8 @@ DEFAULT = Preset(
     datasets=OFFLINE_DATASETS,
     max_samples=2,
     max_new_tokens=128,
-    budgets=(4, 8, 16, 32, 64, 128, "auto"),
-    optional_budgets=("auto",),
+    budgets=(2, 4, 8, 16, 32, 64, "auto", "chain-auto"),
+    optional_budgets=("auto", "chain-auto"),
     time_budget_s=720.0,  # 12 min of decoding; with setup, warm-up and the figures: 15 min
 )
 
@@ -207,10 +213,10 @@ TINY = Preset(
 )
 
 # T = 1 on the default pair: is a sampled tree (children drawn from the drafter, recursive rejection sampling) better
-# than the deterministic top-K tree (sample-and-match) at the same budget? Six variants (AR, DFlash, top-K and sampled
-# at B = 16 and 32) x 14 turns (6 datasets x 2 samples + 2 MT-Bench second turns) x 128 tokens = 84 generations. At
-# ~5-6 s each (FACTS §3 costs; at T = 1 acceptance is lower, so a little more than the default preset's ~5 s) that
-# is ~8 min of decoding; with setup, warm-up and the figures it fits the 15-minute budget of the default preset.
+# than the deterministic top-K tree (sample-and-match) at the same budget, and what does `auto` choose at T = 1? Seven
+# variants (AR, DFlash, top-K and sampled at B = 16 and 32, auto) x 14 turns (6 datasets x 2 samples + 2 MT-Bench
+# second turns) x 128 tokens = 98 generations at ~5-6 s each (at T = 1 acceptance is lower than at T = 0): ~9 min of
+# decoding; the run sizes itself to the 12-minute budget on slower machines.
 SAMPLING = Preset(
     name="sampling",
     description="embedded SmolLM2-135M pair on CPU, T=1: top-K vs sampled trees at B=16/32, 6 datasets x 2 samples",
@@ -218,7 +224,8 @@ SAMPLING = Preset(
     datasets=OFFLINE_DATASETS,
     max_samples=2,
     max_new_tokens=128,
-    budgets=(16, 32),
+    budgets=(16, 32, "auto"),
+    optional_budgets=("auto",),
     trees=("topk", "sampled"),
     temperatures=(1.0,),
     time_budget_s=720.0,

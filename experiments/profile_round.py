@@ -10,7 +10,8 @@ method: tau, milliseconds per round split into draft (drafter layers + its LM he
 with t_plain the plain step, t_draft the drafter pass and t_verify(N) the measured forward over the round's mean tree
 size: 1.0 means the loop adds nothing beyond the two forwards; below it, bookkeeping eats the gain. Also times the
 drafter's layers and its LM head separately, the verify cost curve, and Hugging Face ``generate()`` on the same prompts
-(our plain decoding must not be slower). Prints a table; ``--out`` writes JSON.
+(our plain decoding must not be slower). ``--kernels torch,packed`` runs everything with both CPU linear kernels
+(:mod:`dflash_core.cpu_kernels`), interleaved per prompt, and compares them. Prints a table; ``--out`` writes JSON.
 """
 
 from __future__ import annotations
@@ -84,56 +85,8 @@ def hf_generate_tps(target, prompts, max_new_tokens: int, stops) -> float:
     return total_tokens / total_s
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m experiments.profile_round", description=__doc__.split("\n\n")[0])
-    p.add_argument("--pair", choices=["default", "tiny"], default="default")
-    p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
-    p.add_argument("--methods", default="ar,chain,4,8,16,32", help="ar, chain and node budgets, comma-separated")
-    p.add_argument("--prompts", type=int, default=3)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", default=None)
-    a = p.parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    from dflash_core import autoregressive_generate
-    from dflash_core.timing import cpu_model
-
-    from ddtree import ddtree_generate
-    from ddtree.budget import measure_cost_model
-
-    target, draft, prompts, stops = _load(a.pair, a.dtype)
-    prompts = prompts[: a.prompts]
-    methods = [m if m in ("ar", "chain") else int(m) for m in a.methods.split(",")]
-
-    def run(method, ids, n):
-        x = torch.tensor([ids])
-        if method == "ar":
-            return autoregressive_generate(target, x, n, stop_token_ids=stops)
-        return ddtree_generate(target, draft, x, budget=method, max_new_tokens=n, stop_token_ids=stops)
-
-    for m in methods:  # warm-up: every code path and shape once
-        run(m, prompts[0], 8)
-    acc = {m: {"tokens": 0, "rounds": 0, "nodes": 0, "decode": 0.0, "draft": 0.0, "tree": 0.0, "verify": 0.0,
-               "commit": 0.0} for m in methods}
-    for ids in prompts:
-        for m in methods:
-            res = run(m, ids, a.max_new_tokens)
-            t = res.timings
-            e = acc[m]
-            e["tokens"] += sum(res.acceptance_lengths)
-            e["rounds"] += len(res.acceptance_lengths)
-            e["nodes"] += sum(res.tree_sizes)
-            e["decode"] += t.get("decode", 0.0)
-            for stage in ("draft", "tree", "verify", "commit"):
-                e[stage] += t.get(stage, 0.0)
-    cost = measure_cost_model(target, draft, grid=(0, 1, 2, 4, 8, 16, 32, 64), context=200, use_cache=False)
-    split = draft_split_ms(target, draft)
-    hf_tps = hf_generate_tps(target, prompts, a.max_new_tokens, stops)
+def _summarize(acc: dict, cost, t_plain: float, ar_tps: float | None) -> dict:
     rows = {}
-    plain = acc["ar"] if "ar" in acc else None
-    t_plain = plain["decode"] / max(1, plain["rounds"]) if plain else float(cost.verify(0))
-    ar_tps = plain["tokens"] / plain["decode"] if plain else None
     for m, e in acc.items():
         rounds = max(1, e["rounds"])
         tau = e["tokens"] / rounds
@@ -146,12 +99,10 @@ def main(argv=None) -> None:
                         **{f"{s}_ms": 1000 * e[s] / rounds for s in ("draft", "tree", "verify", "commit")},
                         "mean_nodes": mean_nodes, "tokens_per_s": tps, "speedup": speedup,
                         "speed_of_light": None if speedup is None else speedup / ideal}
-    result = {"cpu": cpu_model(), "dtype": str(target.dtype), "threads": torch.get_num_threads(), "pair": a.pair,
-              "prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "methods": rows,
-              "draft_split": split, "verify_curve_ms": {str(n): 1000 * v for n, v in zip(cost.nodes, cost.verify_s)},
-              "hf_generate_tokens_per_s": hf_tps, "ar_tokens_per_s": ar_tps}
-    print(f"round profile: {result['cpu']}, {result['dtype']}, {result['threads']} threads, {len(prompts)} prompts x "
-          f"{a.max_new_tokens} tokens, greedy")
+    return rows
+
+
+def _print_rows(rows: dict) -> None:
     print(f"{'method':>8} {'tau':>5} {'ms/round':>9} {'draft':>7} {'tree':>6} {'verify':>7} {'commit':>7} "
           f"{'nodes':>6} {'tok/s':>7} {'speedup':>8} {'SoL':>5}")
     for m, r in rows.items():
@@ -160,12 +111,108 @@ def main(argv=None) -> None:
         print(f"{m:>8} {r['tau']:5.2f} {r['ms_per_round']:9.1f} {r['draft_ms']:7.1f} {r['tree_ms']:6.1f} "
               f"{r['verify_ms']:7.1f} {r['commit_ms']:7.1f} {r['mean_nodes']:6.1f} {r['tokens_per_s']:7.1f} {sp:>8} "
               f"{sol:>5}")
-    print(f"drafter pass: layers {split['layers_ms']:.1f} ms + LM head {split['head_ms']:.1f} ms "
-          f"(draft vocabulary: {split['draft_vocab'] or 'full'})")
-    print("verify cost (ms) by draft nodes: " + ", ".join(f"{n}: {v:.1f}" for n, v in result["verify_curve_ms"].items()))
-    if ar_tps:
-        print(f"plain decoding {ar_tps:.1f} tok/s vs Hugging Face generate() {hf_tps:.1f} tok/s "
-              f"({ar_tps / hf_tps:.2f}x)")
+
+
+def main(argv=None) -> None:
+    kernel_choices = ("torch", "packed")
+    p = argparse.ArgumentParser(prog="python -m experiments.profile_round", description=__doc__.split("\n\n")[0])
+    p.add_argument("--pair", choices=["default", "tiny"], default="default")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
+    p.add_argument("--methods", default="ar,chain,4,8,16,32", help="ar, chain and node budgets, comma-separated")
+    p.add_argument("--prompts", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--kernels", default="torch",
+                   help=f"CPU linear kernels to compare, interleaved per prompt: comma-separated of {kernel_choices} "
+                        "(see dflash_core.cpu_kernels)")
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    kernels = a.kernels.split(",")
+    if not kernels or any(k not in kernel_choices for k in kernels) or len(set(kernels)) != len(kernels):
+        p.error(f"--kernels must be distinct entries of {kernel_choices}, got {a.kernels!r}")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    from dflash_core import autoregressive_generate
+    from dflash_core.cpu_kernels import pack_linear_layers, set_packed_enabled
+    from dflash_core.timing import cpu_model
+
+    from ddtree import ddtree_generate
+    from ddtree.budget import measure_cost_model
+
+    target, draft, prompts, stops = _load(a.pair, a.dtype)
+    prompts = prompts[: a.prompts]
+    methods = [m if m in ("ar", "chain") else int(m) for m in a.methods.split(",")]
+    if "packed" in kernels:
+        if not (pack_linear_layers(target) + pack_linear_layers(draft)):
+            p.error("--kernels packed: this torch build has no oneDNN packed linear")
+
+    def run(method, ids, n):
+        x = torch.tensor([ids])
+        if method == "ar":
+            return autoregressive_generate(target, x, n, stop_token_ids=stops)
+        return ddtree_generate(target, draft, x, budget=method, max_new_tokens=n, stop_token_ids=stops)
+
+    def use(kernel):
+        set_packed_enabled(kernel == "packed")
+
+    for k in kernels:
+        use(k)
+        for m in methods:  # warm-up: every code path and shape once
+            run(m, prompts[0], 8)
+    acc = {k: {m: {"tokens": 0, "rounds": 0, "nodes": 0, "decode": 0.0, "draft": 0.0, "tree": 0.0, "verify": 0.0,
+                   "commit": 0.0} for m in methods} for k in kernels}
+    for ids in prompts:
+        for k in kernels:
+            use(k)
+            for m in methods:
+                res = run(m, ids, a.max_new_tokens)
+                t = res.timings
+                e = acc[k][m]
+                e["tokens"] += sum(res.acceptance_lengths)
+                e["rounds"] += len(res.acceptance_lengths)
+                e["nodes"] += sum(res.tree_sizes)
+                e["decode"] += t.get("decode", 0.0)
+                for stage in ("draft", "tree", "verify", "commit"):
+                    e[stage] += t.get(stage, 0.0)
+    by_kernel = {}
+    for k in kernels:
+        use(k)
+        cost = measure_cost_model(target, draft, grid=(0, 1, 2, 4, 8, 16, 32, 64), context=200, use_cache=False)
+        split = draft_split_ms(target, draft)
+        plain = acc[k].get("ar")
+        t_plain = plain["decode"] / max(1, plain["rounds"]) if plain else float(cost.verify(0))
+        ar_tps = plain["tokens"] / plain["decode"] if plain else None
+        by_kernel[k] = {"methods": _summarize(acc[k], cost, t_plain, ar_tps), "draft_split": split,
+                        "verify_curve_ms": {str(n): 1000 * v for n, v in zip(cost.nodes, cost.verify_s)},
+                        "ar_tokens_per_s": ar_tps}
+    set_packed_enabled(True)
+    hf_tps = hf_generate_tps(target, prompts, a.max_new_tokens, stops) if kernels == ["torch"] else None
+    first = by_kernel[kernels[0]]
+    result = {"cpu": cpu_model(), "dtype": str(target.dtype), "threads": torch.get_num_threads(), "pair": a.pair,
+              "prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "kernels": kernels, **first,
+              "hf_generate_tokens_per_s": hf_tps, "by_kernel": by_kernel}
+    print(f"round profile: {result['cpu']}, {result['dtype']}, {result['threads']} threads, {len(prompts)} prompts x "
+          f"{a.max_new_tokens} tokens, greedy")
+    for k in kernels:
+        r = by_kernel[k]
+        if len(kernels) > 1:
+            print(f"\nkernels: {k}")
+        _print_rows(r["methods"])
+        split = r["draft_split"]
+        print(f"drafter pass: layers {split['layers_ms']:.1f} ms + LM head {split['head_ms']:.1f} ms "
+              f"(draft vocabulary: {split['draft_vocab'] or 'full'})")
+        print("verify cost (ms) by draft nodes: " + ", ".join(f"{n}: {v:.1f}" for n, v in r["verify_curve_ms"].items()))
+    if len(kernels) > 1 and all(by_kernel[k]["ar_tokens_per_s"] for k in kernels):
+        base = by_kernel[kernels[0]]
+        for k in kernels[1:]:
+            rel = {m: by_kernel[k]["methods"][m]["tokens_per_s"] / base["methods"][m]["tokens_per_s"]
+                   for m in base["methods"]}
+            by_kernel[k]["vs_" + kernels[0]] = rel
+            print(f"\n{k} vs {kernels[0]} (tokens/s ratio, same prompts, interleaved): "
+                  + ", ".join(f"{m} {v:.2f}x" for m, v in rel.items()))
+    if hf_tps and first["ar_tokens_per_s"]:
+        print(f"plain decoding {first['ar_tokens_per_s']:.1f} tok/s vs Hugging Face generate() {hf_tps:.1f} tok/s "
+              f"({first['ar_tokens_per_s'] / hf_tps:.2f}x)")
     if a.out:
         from .schema import write_json_atomic
 

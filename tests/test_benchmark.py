@@ -51,7 +51,8 @@ def test_presets_are_valid_and_match_the_issue():
     default, quick, paper = get_preset("default"), get_preset("quick"), get_preset("paper")
     assert set(default.datasets) == {"gsm8k", "math500", "aime24", "aime25", "humaneval", "mt-bench"}
     assert default.methods == ("ar", "dflash", "ddtree") and default.temperatures == (0.0,)
-    assert [b for b in default.budgets if isinstance(b, int)] == [4, 8, 16, 32, 64, 128] and "auto" in default.optional_budgets
+    assert [b for b in default.budgets if isinstance(b, int)] == [2, 4, 8, 16, 32, 64]
+    assert {"auto", "chain-auto"} <= set(default.optional_budgets)
     assert default.models[0].target == "default" and default.models[0].draft == "default"
     assert len(quick.datasets) * quick.max_samples <= 2 and quick.max_new_tokens <= 64 and quick.budgets == (16,)
     assert len(paper.models) == 3 and len(paper.datasets) == 10 and paper.temperatures == (0.0, 1.0)

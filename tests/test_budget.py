@@ -8,8 +8,12 @@ import torch
 
 from conftest import make_draft, make_target, prompt
 from ddtree import build_tree, ddtree_generate
-from ddtree.budget import AutoBudget, CostModel, _fit_beta, best_prefix, measure_cost_model, truncate_tree
+from ddtree.budget import (
+    AutoBudget, CostModel, Round, _fit_beta, best_prefix, calibrated_probs, forget_shared_memory, measure_cost_model,
+    truncate_tree,
+)
 from dflash_core import autoregressive_generate
+from dflash_core.replay import replay
 
 
 def brute_force_prefix(probs, cost):
@@ -99,3 +103,145 @@ def test_cost_model_rejects_bad_curves():
     with pytest.raises(ValueError):
         CostModel((4, 1), (1.0, 2.0), 0.0)
     assert CostModel((0, 2, 4), (1.0, 0.5, 2.0), 0.0).verify_s == (1.0, 1.0, 2.0)  # made monotone
+
+
+def test_marginal_rule_is_the_argmax_of_its_objective():
+    rng = np.random.default_rng(5)
+    for trial in range(200):
+        probs = np.sort(rng.random(rng.integers(0, 60)) ** rng.uniform(0.5, 6))[::-1]
+        cost = CostModel((0, 8, 64), tuple(np.cumsum(rng.random(3) * 0.05)), fixed_s=float(rng.uniform(0, 0.05)))
+        rate = float(rng.uniform(1, 200))
+        values = [1 + probs[:n].sum() - rate * float(cost.round_seconds(n)) for n in range(len(probs) + 1)]
+        assert best_prefix(probs, cost, rate) == int(np.argmax(values)), trial
+
+
+def _rounds(rng, n_rounds):
+    """Synthetic rounds: sorted path probabilities whose spread varies from round to round (confident and doubtful
+    drafts), as a best-first tree produces them."""
+    return [np.sort(rng.random(48) ** rng.uniform(0.3, 12))[::-1] for _ in range(n_rounds)]
+
+
+def test_marginal_rule_at_the_long_run_rate_beats_the_ratio_rule_and_every_fixed_size():
+    """Renewal-reward oracle: with the true expected tokens per round, the long-run rate sum(gain) / sum(seconds) of
+    the marginal rule at its own fixed-point rate (Dinkelbach) is at least that of any other size choice."""
+    rng = np.random.default_rng(11)
+    rounds = _rounds(rng, 400)
+    cost = CostModel((0, 4, 16, 48), (0.020, 0.022, 0.030, 0.060), fixed_s=0.004)
+
+    def long_run(choose):
+        gain = sum(1 + p[: choose(p)].sum() for p in rounds)
+        return gain / sum(float(cost.round_seconds(choose(p))) for p in rounds)
+
+    rate = long_run(lambda p: best_prefix(p, cost))
+    for _ in range(30):  # Dinkelbach's iteration converges to the optimal rate
+        rate = long_run(lambda p: best_prefix(p, cost, rate))
+    marginal = long_run(lambda p: best_prefix(p, cost, rate))
+    ratio = long_run(lambda p: best_prefix(p, cost))
+    fixed = max(long_run(lambda p, n=n: n) for n in range(49))
+    assert marginal >= ratio - 1e-12 and marginal >= fixed - 1e-12
+    assert marginal > ratio * 1.001  # varied rounds: the ratio rule is measurably worse here
+
+
+def _accepted_path(rng, log_p, depths, truth):
+    """Draw which nodes the target accepts when node i's path is accepted with probability truth[i] and at most one
+    node per depth is accepted (the accepted path): depth by depth, pick one node or none."""
+    accepted = np.zeros(len(log_p), dtype=bool)
+    for d in np.unique(depths):
+        at = np.flatnonzero(depths == d)
+        u, edges = rng.random(), np.cumsum(truth[at])
+        hit = np.searchsorted(edges, u, side="right")
+        if hit < len(at):
+            accepted[at[hit]] = True
+    return accepted
+
+
+@pytest.mark.parametrize("method", ["power", "depth", "bucket"])
+def test_calibration_recovers_a_miscalibrated_drafter(method):
+    """Synthetic drafter whose true acceptance is 0.6 ** depth times its claim: every calibration must move the
+    predicted total toward the observed one, and the per-depth fit must recover the factors."""
+    rng = np.random.default_rng(2)
+    history = []
+    for _ in range(3000):
+        depths = np.repeat(np.arange(1, 5), 3)
+        log_p = -rng.uniform(0.0, 0.4, len(depths)) * depths - np.log(3)
+        truth = np.exp(log_p) * 0.6 ** depths
+        history.append(Round(log_p, depths, _accepted_path(rng, log_p, depths, truth), 0.01))
+    log_p, depths = history[0].log_p, history[0].depths
+    raw = calibrated_probs(log_p, depths, history, "none")
+    fitted = calibrated_probs(log_p, depths, history, method)
+    truth = np.exp(log_p) * 0.6 ** depths
+    assert abs(fitted.sum() - truth.sum()) < abs(raw.sum() - truth.sum()) * 0.5
+    if method == "depth":
+        assert np.allclose(fitted / raw, 0.6 ** depths, rtol=0.15)
+
+
+def test_chain_auto_is_lossless_and_proposes_chains(family):
+    target = make_target(family, vocab=6, init=0.3)
+    draft = make_draft(target, block_size=5)
+    cost = CostModel((0, 1, 2, 4), (0.010, 0.011, 0.013, 0.020), 0.002)
+    for seed in range(3):
+        p = prompt(60 + seed, 5, 6)
+        ref = autoregressive_generate(target, p, max_new_tokens=30).new_token_ids
+        policy = AutoBudget(cost, chain=True)
+        out = ddtree_generate(target, draft, p, max_new_tokens=30, policy=policy, trace=True)
+        assert out.new_token_ids == ref
+        assert all(t.depths.tolist() == list(range(1, len(t.token_ids) + 1)) for t in out.trees)
+        assert out.tree_sizes == policy.chosen and max(policy.chosen) <= 4
+
+
+@pytest.mark.parametrize("chain", [False, True])
+def test_auto_replays_exactly(chain):
+    """The policy reads no clock: replaying its rounds offline gives the decode loop's rounds, feedback included."""
+    target = make_target("llama", vocab=6, init=0.3)
+    draft = make_draft(target, block_size=5)
+    cost = CostModel((0, 2, 8, 24), (0.010, 0.011, 0.014, 0.030), 0.002)
+    live_policy, replay_policy = AutoBudget(cost, cap=24, chain=chain), AutoBudget(cost, cap=24, chain=chain)
+    for seed in range(3):  # one memory across prompts, as for_models shares it
+        p = prompt(80 + seed, 4, 6)
+        live = ddtree_generate(target, draft, p, max_new_tokens=36, policy=live_policy)
+        ids = torch.cat([p[0], torch.tensor(live.new_token_ids)])
+        got = replay(target, draft, replay_policy, ids, p.shape[1], 36)
+        assert got.acceptance_lengths == live.acceptance_lengths and got.tree_sizes == live.tree_sizes
+    assert len(live_policy.memory) >= live_policy.warmup and live_policy.rate is not None
+    assert len(set(live_policy.chosen)) > 1  # the size moved with the drafter's confidence
+
+
+def test_shared_memory_and_bad_options(monkeypatch, tmp_path):
+    monkeypatch.setenv("DDTREE_CACHE", str(tmp_path))
+    forget_shared_memory()
+    target = make_target("llama", vocab=16, dtype=torch.float32)
+    draft = make_draft(target, block_size=4)
+    cost = CostModel((0, 4), (0.01, 0.02), 0.001, key="k")
+    a = AutoBudget.for_models(target, draft, cost=cost)
+    b = AutoBudget.for_models(target, draft, cost=cost)
+    greedy_again = AutoBudget.for_models(target, draft, cost=cost, temperature=1.0)
+    assert a.memory is b.memory and a.memory is not greedy_again.memory
+    assert AutoBudget.for_models(target, draft, cost=cost, shared=False).memory is not a.memory
+    forget_shared_memory()
+    with pytest.raises(ValueError, match="calibration"):
+        AutoBudget(cost, calibrate="isotonic")
+    with pytest.raises(ValueError, match="rule"):
+        AutoBudget(cost, rule="greedy")
+    with pytest.raises(ValueError, match="chain-auto"):
+        ddtree_generate(target, draft, prompt(1, 3, 16), budget="chains")
+
+
+def test_round_memory_running_totals_equal_a_fresh_count():
+    """The running sums after evictions equal the sums over the rounds still held (oracle: recount)."""
+    from ddtree.budget import RoundMemory
+
+    rng = np.random.default_rng(4)
+    memory = RoundMemory(window=7)
+    for _ in range(30):
+        n = int(rng.integers(0, 12))
+        memory.append(Round(np.sort(np.log(rng.random(n)))[::-1], rng.integers(1, 6, n), rng.random(n) < 0.3,
+                            float(rng.random())))
+    fresh = RoundMemory.of(list(memory))
+    assert len(memory) == 7 and memory.tokens == fresh.tokens == sum(r.tokens for r in memory)
+    assert memory.seconds == pytest.approx(fresh.seconds)
+    for name in ("depth_pred", "depth_obs", "depth_nodes", "bucket_nodes", "bucket_hits"):
+        assert np.allclose(getattr(memory, name), getattr(fresh, name), atol=1e-9), name
+    log_p, depths = np.log(np.array([0.9, 0.5, 0.05])), np.array([1, 2, 9])
+    for method in ("depth", "bucket"):
+        assert np.allclose(calibrated_probs(log_p, depths, memory, method),
+                           calibrated_probs(log_p, depths, list(memory), method))

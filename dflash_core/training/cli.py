@@ -36,7 +36,7 @@ import torch.distributed as dist
 from ..model import DFlashDraftModel, load_draft
 from .config import PRESETS, DataConfig, DraftSpec, TrainConfig, make_draft_config
 from .evaluate import benchmark_tau, tau_evaluator
-from .loop import _world, export_drafter, init_distributed, setup_logging, train
+from .loop import export_drafter, init_distributed, rank_and_world, setup_logging, train
 from .prompts import build_prompts
 from .respond import GenerationConfig, generate_responses, load_samples
 
@@ -64,7 +64,7 @@ def shipped_drafter(folder: Path, target) -> DFlashDraftModel:
 def _data_worker(index: int, workers: int, out: Path, prompts, gen: GenerationConfig, done: set[str],
                  target_name: str) -> None:
     torch.set_num_threads(1)
-    logger = logging.getLogger("dflash_core.train")
+    logger = logging.getLogger("dflash_core.training")
     if not logger.handlers:
         setup_logging(out)
     target, tokenizer, stops = _load_target(target_name, torch.bfloat16, torch.device("cpu"))
@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not opts.get("target"):
         raise SystemExit(f"--preset {a.preset} needs --target (a Hugging Face model id or folder, e.g. Qwen/Qwen3-8B)")
     device, distributed = init_distributed(a.device)
-    rank, world = _world()
+    rank, world = rank_and_world()
     out = Path(a.out)
     logger = setup_logging(out, rank)
     log = logger.info

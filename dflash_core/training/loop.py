@@ -51,7 +51,8 @@ def _progress(state: "TrainState", cfg: TrainConfig) -> float:
     return state.step / state.total_steps
 
 
-def _world() -> tuple[int, int]:
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size) of the initialized process group; (0, 1) without one."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -101,7 +102,7 @@ def train(target, draft: DFlashDraftModel, sequences: list[tuple[torch.Tensor, i
     """
     from tqdm import tqdm
 
-    rank, world = _world()
+    rank, world = rank_and_world()
     dev = target.lm_head.weight.device
     draft.to(dev).float().train()
     for p in target.parameters():
@@ -162,7 +163,7 @@ def train(target, draft: DFlashDraftModel, sequences: list[tuple[torch.Tensor, i
     weights = position_weights(draft.block_size, cfg.gamma)
     bar = tqdm(total=state.total_steps, initial=state.step, desc="train", unit="step", disable=rank != 0,
                mininterval=5)
-    t_start, t_measure = time.perf_counter(), None
+    t_start = time.perf_counter()
     seconds_before, first_step = state.train_seconds, state.step
     neg_gen = torch.Generator().manual_seed(cfg.seed + 17 * rank)
     while _progress(state, cfg) < 1.0:
@@ -257,7 +258,7 @@ def init_distributed(device: str | None = None) -> tuple[torch.device, bool]:
 
 def setup_logging(out: Path, rank: int = 0) -> logging.Logger:
     out.mkdir(parents=True, exist_ok=True)
-    logger = logging.getLogger("dflash_core.train")
+    logger = logging.getLogger("dflash_core.training")
     logger.setLevel(logging.INFO)
     logger.handlers.clear()
     logger.propagate = False
