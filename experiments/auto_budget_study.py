@@ -11,7 +11,8 @@ every round with a cost curve, so dozens of policies and curves are compared in 
   ``auto`` with the ratio or the marginal rule and each calibration (``none``, ``power``, ``depth``, ``bucket``), and
   ``chain-auto``. Adaptive policies keep one memory across the prompts, as in a benchmark process;
 * curves: this machine's measured one (``measure_cost_model``, this dtype), optionally fp32 on this machine
-  (``--fp32-curve``), the AMD EPYC fp32 costs measured when issue 11 was filed (its table), every GPU profile in
+  (``--fp32-curve``), the AMD EPYC fp32 costs measured when issue 11 was filed (its table; and the same with the
+  drafter's head scaled to today's 4,096-token draft vocabulary, derived), every GPU profile in
   ``experiments/profiles/`` and, when there is none, a simulated H200-like curve.
 
 The projected rate of a policy is sum(committed tokens) / sum(curve's round seconds at the chosen sizes); rates are
@@ -47,6 +48,10 @@ H200_LIKE = CostModel(nodes=(0, 64, 256, 512, 1024), verify_s=(0.0200, 0.0205, 0
 # of the last segment is extended.
 AMD_FP32 = CostModel(nodes=(0, 3, 7, 15), verify_s=(0.080, 0.156, 0.168, 0.200), fixed_s=0.066,
                      key="AMD EPYC fp32 (issue 11's table)")
+# The same machine with today's drafter: its LM head covers the 4,096-token draft vocabulary instead of 49,152, so
+# the head's 51 ms shrink by that ratio (derived, not measured): 66 - 51 + 51 * 4096 / 49152 = 19 ms.
+AMD_FP32_DRAFT_VOCAB = CostModel(nodes=AMD_FP32.nodes, verify_s=AMD_FP32.verify_s, fixed_s=0.019,
+                                 key="AMD EPYC fp32 (issue 11's table, head scaled to the draft vocabulary)")
 
 
 def curves(target, draft, fp32_curve: bool, profiles: Path) -> dict[str, tuple[CostModel, int]]:
@@ -61,6 +66,7 @@ def curves(target, draft, fp32_curve: bool, profiles: Path) -> dict[str, tuple[C
         out[f"this CPU ({cpu_model()}, float32)"] = (measure_cost_model(target32, draft32, context=256, cap=128), 128)
         del target32, draft32
     out[AMD_FP32.key] = (AMD_FP32, 128)
+    out[AMD_FP32_DRAFT_VOCAB.key] = (AMD_FP32_DRAFT_VOCAB, 128)
     found = sorted(profiles.glob("*.json")) if profiles.is_dir() else []
     for path in found:
         try:
