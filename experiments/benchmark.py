@@ -626,7 +626,7 @@ def run_benchmark(preset: Preset, out: str | Path, *, max_generations: int | Non
     """Run every model pair of ``preset`` into ``out``; returns True when all records are done. Rank 0 merges
     per-rank records and prints the summary table."""
     from plots import summary_table
-    from plots.tables import stage_table
+    from plots.tables import policy_table, stage_table
 
     rank = rank or RankInfo.from_env()
     out = Path(out)
@@ -648,6 +648,9 @@ def run_benchmark(preset: Preset, out: str | Path, *, max_generations: int | Non
                         "cost_curve") if (folder / MANIFEST_FILENAME).is_file() else None
                     if curve:
                         print(f"why: {curve['explanation']}\n", flush=True)
+                    policies = policy_table(records)
+                    if policies:
+                        print("Policies against the oracle budget:\n\n" + policies, flush=True)
                     print("Where a round's time goes (all datasets):\n\n" + stage_table(records), flush=True)
                     print(f"records:  {path}\nmanifest: {folder / MANIFEST_FILENAME}\n"
                           f"figures:  python plot_results.py --runs {folder}", flush=True)

@@ -44,4 +44,11 @@ def make_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, form
         tex = out_dir / f"{stem}.tex"
         tex.write_text(latex_table(rows), encoding="utf-8")
         paths += [md, tex]
+    from plots.tables import policy_table
+
+    policies = policy_table(records)
+    if policies:
+        path = out_dir / "policies_vs_oracle.md"
+        path.write_text(policies, encoding="utf-8")
+        paths.append(path)
     return paths

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from experiments.schema import SampleRecord, dataset_label
+from experiments.schema import SampleRecord, dataset_label, dataset_sort_key
 from plots.metrics import ORACLE_LABEL, Stats, compute_stats, groups_of, headline_stats, oracle_stats
 
 _HEADER = ("Dataset", "T", "Method", "Speedup", "Per-prompt median [95% CI]", "τ", "Exact match", "n")
@@ -131,3 +131,34 @@ def stage_table(records: Iterable[SampleRecord]) -> str:
                      + " | ".join(f"{per[st]:.1f}" for st in STAGES)
                      + f" | {max(0.0, total - sum(per.values())):.1f} | {tau:.2f} | {forwards:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def policy_table(records: Iterable[SampleRecord]) -> str:
+    """How each DDTree policy (a string budget such as ``auto`` or ``chain-auto``) compares with the oracle: its
+    speedup divided by the best fixed top-K budget's, per dataset and temperature, with the mean over datasets and
+    the worst one. Empty when the run measured no policy or no fixed budget."""
+    stats = compute_stats(records)
+    policies = sorted({(s.temperature, s.label) for s in stats
+                       if s.method == "ddtree" and isinstance(s.budget, str) and s.speedup is not None})
+    if not policies:
+        return ""
+    datasets = sorted({s.dataset for s in stats}, key=dataset_sort_key)
+    lines = ["| T | Policy | " + " | ".join(dataset_label(d) for d in datasets) + " | mean | worst |",
+             "|---|---|" + "---:|" * (len(datasets) + 2)]
+    for temperature, label in policies:
+        ratios = {}
+        for d in datasets:
+            oracle = oracle_stats(stats, d, temperature)
+            mine = [s for s in stats if s.dataset == d and s.temperature == temperature and s.label == label]
+            if oracle is not None and mine and mine[0].speedup is not None and oracle.speedup:
+                ratios[d] = (mine[0].speedup / oracle.speedup, oracle.budget)
+        if not ratios:
+            continue
+        cells = [f"{ratios[d][0]:.2f} (B={ratios[d][1]})" if d in ratios else "–" for d in datasets]
+        values = [r for r, _ in ratios.values()]
+        lines.append(f"| {_temperature(temperature)} | {label} | " + " | ".join(cells)
+                     + f" | {sum(values) / len(values):.3f} | {min(values):.2f} |")
+    if len(lines) == 2:
+        return ""
+    return ("\n".join(lines) + "\n\nEach cell: the policy's speedup ÷ the oracle's (the best fixed top-K budget of "
+            "that dataset, chosen after the fact, shown in parentheses).\n")

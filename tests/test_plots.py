@@ -245,3 +245,18 @@ def test_within_noise_and_stage_table(runs):
     assert cells[2] == "200.0" and cells[5] == "100.0" and cells[7] == "100.0" and cells[8] == "2.00"
     assert cells[9] == f"{4 * 6 / 40:.2f}"  # (prefill + 5 rounds) x 4 records / 40 tokens
     assert len(table.splitlines()[0].split("|")) == len(table.splitlines()[1].split("|"))
+
+
+def test_policy_table_against_the_oracle():
+    from plots.tables import policy_table
+
+    recs = hand_records()  # AR 3.5 s / 150 tokens; B=32 0.75 s (the oracle); auto 0.75 s; B=16 0.9 s
+    recs += [record("math500", "0", "ar", None, 1.0, 50, [1] * 50),
+             record("math500", "0", "ddtree", 8, 0.5, 50, [2] * 25),
+             record("math500", "0", "ddtree", "auto", 0.625, 50, [2] * 25)]
+    table = policy_table(recs)
+    row = next(line for line in table.splitlines() if "auto" in line)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2] == "1.00 (B=32)" and cells[3] == "0.80 (B=8)"  # gsm8k, then math500 (the papers' order)
+    assert cells[4] == "0.900" and cells[5] == "0.80"
+    assert policy_table([r for r in recs if r.budget != "auto"]) == ""
