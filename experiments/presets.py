@@ -161,6 +161,7 @@ DEFAULT = Preset(
     budgets=(2, 4, 8, 16, 32, 64, "auto", "chain-auto"),
     optional_budgets=("auto", "chain-auto"),
     time_budget_s=720.0,  # 12 min of decoding; with setup, warm-up and the figures: 15 min
+    cpu_kernels="auto",
 )
 
 QUICK = Preset(
@@ -173,6 +174,7 @@ QUICK = Preset(
     budgets=(16,),
     warmup_tokens=8,
     time_budget_s=120.0,
+    cpu_kernels="auto",
 )
 
 _QWEN3_CHAT = (("enable_thinking", False),)
@@ -229,6 +231,7 @@ SAMPLING = Preset(
     trees=("topk", "sampled"),
     temperatures=(1.0,),
     time_budget_s=720.0,
+    cpu_kernels="auto",
 )
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (DEFAULT, QUICK, SAMPLING, PAPER, TINY)}

@@ -272,3 +272,25 @@ def test_recipe_command_generates_then_trains_and_resumes(tmp_path):
     recipe.main(args)  # a rerun answers new prompts and resumes training from the checkpoint (already done)
     assert len(list_shards(tmp_path / "data")) == 2
     assert json.loads((tmp_path / "fit" / "summary.json").read_text())["steps"] == 2
+
+
+def test_corpus_rebuilds_prompts_with_each_shards_generation_seed(tmp_path):
+    """A training run's own --seed must not change which samples load: prompts are rebuilt with the seed the
+    shard's manifest records (a seed-1 fit once dropped 43% of a seed-0 corpus this way)."""
+    from dflash_core.training.corpus import load_corpus
+    from dflash_core.training.prompts import build_prompts
+    from experiments.models import ByteTokenizer
+
+    tok = ByteTokenizer()
+    pool0 = {p.prompt_id: p for p in build_prompts(0)}
+    pool1 = {p.prompt_id for p in build_prompts(1)}
+    only0 = sorted(set(pool0) - pool1)[:3]  # prompts that exist only in the seed-0 pools
+    assert only0
+    samples = []
+    for pid in only0:
+        n = len(tok.encode(pool0[pid].text + "\n\n"))
+        samples.append(ShardSample(f"{pid}#p0", pool0[pid].source, "greedy", n, [5, 6, 7]))
+    write_shard(tmp_path, "shard-a", samples, {"seed": 0})
+    for fit_seed in (0, 1):
+        corpus = load_corpus(tmp_path, tok, seed=fit_seed)
+        assert len(corpus.sequences) == 3 and corpus.skipped == 0, fit_seed

@@ -63,18 +63,26 @@ class Corpus:
 
 
 def load_corpus(folder: str | Path, tokenizer, seed: int = 0, exclude: Iterable[str] = ()) -> Corpus:
-    """Every sample of every complete shard in ``folder`` (keys in ``exclude`` left out)."""
+    """Every sample of every complete shard in ``folder`` (keys in ``exclude`` left out).
+
+    Prompts are rebuilt from the pools with the seed each shard's manifest records (the generation's seed; ``seed``
+    only for shards that do not say), so a training run's own seed never changes which samples load."""
     from ..data import build_chat
 
     from .prompts import build_prompts
 
-    prompts = {it.prompt_id: it for it in build_prompts(seed)}
+    pools: dict[int, dict] = {}
     exclude = set(exclude)
     corpus = Corpus([], [], [], [])
     for name in list_shards(folder):
         samples = read_shard_tokens(folder, name)
         cached = read_shard_features(folder, name)
-        kept = json.loads((Path(folder) / f"{name}.json").read_text()).get("taps") if cached is not None else None
+        manifest = json.loads((Path(folder) / f"{name}.json").read_text())
+        kept = manifest.get("taps") if cached is not None else None
+        shard_seed = int(manifest.get("seed", seed))
+        if shard_seed not in pools:
+            pools[shard_seed] = {it.prompt_id: it for it in build_prompts(shard_seed)}
+        prompts = pools[shard_seed]
         offsets = None
         if cached is not None:
             lengths = cached[3]
