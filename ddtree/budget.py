@@ -253,7 +253,8 @@ def measure_cost_model(target, draft, grid: tuple[int, ...] | None = None, conte
 
 
 # ---------------------------------------------------------------------------------------------------- the policy
-def best_prefix(path_probs: np.ndarray, cost: CostModel, rate: float | None = None) -> int:
+def best_prefix(path_probs: np.ndarray, cost: CostModel, rate: float | None = None,
+                seconds: np.ndarray | None = None) -> int:
     """The tree size N in 0..len(path_probs) to verify (smallest N on ties).
 
     ``rate=None`` (the ratio rule): argmax_N (1 + sum_{i<=N} p_i) / round_seconds(N), the best tokens per second of
@@ -261,10 +262,11 @@ def best_prefix(path_probs: np.ndarray, cost: CostModel, rate: float | None = No
     round_seconds(N), i.e. add nodes while each one's expected tokens pay for its cost at the run's long-run rate.
     The marginal rule maximizes the long-run rate (sum tokens / sum seconds over many rounds) when lambda is that
     rate (Dinkelbach): the ratio rule stops too early in confident rounds and too late in doubtful ones.
+    ``seconds``: ``cost.round_seconds(0..M)`` precomputed for some M >= len(path_probs) (saves the interpolation).
     """
     n = np.arange(len(path_probs) + 1)
     gain = 1.0 + np.concatenate([[0.0], np.cumsum(path_probs)])
-    seconds = cost.round_seconds(n)
+    seconds = cost.round_seconds(n) if seconds is None else seconds[: len(n)]
     if rate is None:
         return int(np.argmax(gain / seconds))
     return int(np.argmax(gain - rate * seconds))
@@ -412,6 +414,7 @@ class AutoBudget:
         self.name = "chain-auto" if chain else "auto"
         self.memory = memory if memory is not None else RoundMemory(window)
         self.warmup = warmup
+        self._seconds = np.asarray(cost.round_seconds(np.arange(cap + 1)), dtype=float)  # per tree size, once
         self._pending: tuple[np.ndarray, np.ndarray, float] | None = None
         self.chosen: list[int] = []  # tree size picked each round (for studies)
 
@@ -478,9 +481,9 @@ class AutoBudget:
             depths = full.depths.numpy()
         ready = len(self.memory) >= self.warmup
         probs = calibrated_probs(log_p, depths, self.memory if ready else (), self.calibrate)
-        n = best_prefix(probs, self.cost, self.rate if self.rule == "marginal" else None)
+        n = best_prefix(probs, self.cost, self.rate if self.rule == "marginal" else None, self._seconds)
         self.chosen.append(n)
-        self._pending = (log_p[:n], depths[:n], float(self.cost.round_seconds(n)))
+        self._pending = (log_p[:n], depths[:n], float(self._seconds[n]))
         if self.chain:
             from dflash_core.decoding import ChainProposal
 
