@@ -163,6 +163,7 @@ def summarize(rows: list[dict], cost_curves: dict) -> dict:
             policies[p] = {"vs_oracle_mean": float(np.mean(list(ratios.values()))),
                            "vs_oracle_min": float(min(ratios.values())), "vs_oracle": ratios,
                            "speedup_mean": float(np.mean([rate[p][d] * plain for d in datasets])),
+                           "speedup": {d: rate[p][d] * plain for d in datasets},
                            "tau": tokens / max(rounds, 1),
                            "mean_nodes": sum(v["nodes"] for v in per.values()) / max(rounds, 1)}
         out[curve] = {"oracle_budget": best_fixed, "policies": policies}

@@ -429,7 +429,7 @@ def test_sampling_preset():
     from experiments.presets import get_preset, with_overrides
 
     preset = get_preset("sampling")
-    assert preset.problems() == [] and preset.temperatures == (1.0,) and preset.budgets == (16, 32)
+    assert preset.problems() == [] and preset.temperatures == (1.0,) and preset.budgets == (16, 32, "auto")
     assert preset.trees == ("topk", "sampled") and len(preset.datasets) == 6 and preset.methods[0] == "ar"
     with pytest.raises(ValueError, match="trees"):
         with_overrides(preset, trees=("bushy",))

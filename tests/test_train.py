@@ -166,6 +166,7 @@ def _ddp_worker(rank: int, world: int, init_file: str, out_file: str) -> None:
         history, params = _ddp_run()
         if rank == 0:
             torch.save({"history": history, "params": params}, out_file)
+        dist.barrier()  # both ranks done before teardown (a rank tearing down mid-collective once aborted the other)
     finally:
         dist.destroy_process_group()
 
