@@ -1,15 +1,16 @@
 """Linear layers with weights packed once for oneDNN: cheaper small-row forwards on x86 CPUs.
 
 A speculative round multiplies a few rows (1 root + 2-64 draft nodes) by every weight matrix of the target. ``F.linear``
-on a CPU hands each call to MKL (fp32) or oneDNN (bf16), which reorder the weight into their blocked layout on every
-call or run a path tuned for large inputs; for short inputs that overhead is a large share of the product.
+on a CPU hands each call to MKL (fp32) or oneDNN (bf16) with the weight in its plain layout; for short inputs the
+per-call preparation is a large share of the product (on an Intel Xeon with AMX, bf16: packed products took 0.5-0.6x
+of ``F.linear``'s time at 1-64 rows, see the README).
 :func:`pack_linear_layers` replaces a model's ``nn.Linear`` modules by :class:`PackedLinear`, which keeps the same
 parameters (state dicts, tied embeddings and dtype checks are unchanged) and multiplies with oneDNN's inner product on
 a copy of the weight reordered once (``torch.ops.mkldnn``). ``python -m experiments.cpu_gemm_study`` measures the
 kernels on the machine at hand; ``python -m experiments.profile_round --kernels packed`` the effect on whole rounds.
 
-For inference only: the packed copy is not updated when the weight changes, so a module falls back to ``F.linear``
-whenever autograd is recording, the input is not on the CPU or not in the packed dtype.
+For inference: a module falls back to ``F.linear`` whenever autograd is recording, the input is not on the CPU or not
+in the weight's dtype; the packed copy is rebuilt when the weight changes (in place or replaced).
 """
 
 from __future__ import annotations
