@@ -145,9 +145,9 @@ def _cost_key(target, draft, device: torch.device, dtype: torch.dtype) -> str:
 
 
 def _cost_cache_dir() -> Path:
-    base = os.environ.get("DDTREE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ddtree")
-    return Path(base) / "costs"
+    from dflash_core.timing import cache_root
+
+    return cache_root() / "costs"
 
 
 def median_seconds(fn, repeats: int, device: torch.device) -> float:

@@ -127,16 +127,14 @@ def kernels_from_env(default: str = "torch") -> str:
 
 
 def _kernel_cache_path(target) -> Path:
-    from .timing import cpu_model
+    from .timing import cache_root, cpu_model
 
     cfg = target.config
     ident = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "dtype": str(target.dtype),
              "torch": torch.__version__, "type": cfg.model_type,
              "shape": [cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size, cfg.intermediate_size]}
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
-    base = os.environ.get("DDTREE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ddtree")
-    return Path(base) / "kernels" / f"{key}.json"
+    return cache_root() / "kernels" / f"{key}.json"
 
 
 @torch.inference_mode()

@@ -41,9 +41,9 @@ def _gguf_dir() -> Path:
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("DDTREE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ddtree")
-    return Path(base) / f"smollm2-135m-instruct-{GGUF_VERSION}"
+    from .timing import cache_root
+
+    return cache_root() / f"smollm2-135m-instruct-{GGUF_VERSION}"
 
 
 def load_default_target(dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):

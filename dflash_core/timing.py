@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator
 
 import torch
 
-__all__ = ["StageTimer", "cpu_model"]
+__all__ = ["StageTimer", "cpu_model", "cache_root"]
+
+
+def cache_root() -> Path:
+    """Where the toolkit keeps per-machine caches: ``$DDTREE_CACHE``, else ``$XDG_CACHE_HOME/ddtree`` (default
+    ``~/.cache/ddtree``)."""
+    base = os.environ.get("DDTREE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ddtree")
+    return Path(base)
 
 
 class StageTimer:
