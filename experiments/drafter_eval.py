@@ -64,7 +64,8 @@ def reference_continuations(target, prompts, max_new_tokens: int, stops, path: P
     return refs
 
 
-def replay_rows(target, labels, drafts, budgets, prompts, refs, max_new_tokens: int, stops, t0: float) -> list[dict]:
+def replay_rows(target, labels, drafts, budgets, prompts, refs, max_new_tokens: int, stops, t0: float,
+                quiet: bool = False) -> list[dict]:
     """Rows like the decode loop's (rounds and tokens per prompt, drafter and budget) from offline replay."""
     from ddtree.generate import make_policy
     from dflash_core.replay import replay_policies
@@ -79,7 +80,8 @@ def replay_rows(target, labels, drafts, budgets, prompts, refs, max_new_tokens: 
                 res = got[str(budget)]
                 rows.append({"group": group, "dataset": name, "sample_id": sid, "draft": label, "budget": budget,
                              "rounds": len(res.acceptance_lengths), "tokens": sum(res.acceptance_lengths)})
-        print(f"[{time.perf_counter() - t0:.0f}s] {group}/{name}/{sid} replayed", flush=True)
+        if not quiet:
+            print(f"[{time.perf_counter() - t0:.0f}s] {group}/{name}/{sid} replayed", flush=True)
     return rows
 
 

@@ -682,3 +682,32 @@ def test_training_checkpoints_are_loaded_without_unpickling_code(tmp_path):
     torch.save({"draft": {}, "payload": _Payload()}, evil)
     with pytest.raises(ValueError, match="arbitrary code"):
         load_checkpoint(evil)
+
+
+# ---------------------------------------------------------------------------------------------------- device placement
+def test_block_inputs_follow_the_anchors_device():
+    """Replay and training on CUDA build blocks from anchors on the GPU: every tensor block_inputs makes must follow
+    the anchors' device (the meta device stands in for CUDA: mixing it with a CPU tensor raises the same way)."""
+    from dflash_core.training.blocks import block_attention_mask, block_inputs
+
+    ids = torch.arange(30, device="meta")
+    anchors = torch.tensor([3, 7, 20], device="meta")
+    tokens, positions, labels = block_inputs(ids, anchors, 4, 0)
+    assert tokens.device.type == positions.device.type == labels.device.type == "meta"
+    assert labels.shape == (3, 3) and tokens.shape == (12,)
+    assert block_attention_mask(anchors, 4, 20).device.type == "meta"
+
+
+def test_resolve_device_gives_each_torchrun_rank_its_own_gpu(monkeypatch):
+    """``--device cuda`` (or auto) under torchrun: rank LOCAL_RANK's GPU, made current; an explicit index is kept."""
+    from dflash_core.training import targets
+
+    current = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: current.append(torch.device(d)))
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert targets.resolve_device("cuda") == torch.device("cuda", 3) and current[-1] == torch.device("cuda", 3)
+    assert targets.resolve_device("auto") == torch.device("cuda", 3)
+    assert targets.resolve_device("cuda:1") == torch.device("cuda", 1) and current[-1] == torch.device("cuda", 1)
+    assert targets.resolve_device("cpu") == torch.device("cpu")

@@ -41,7 +41,7 @@ def block_inputs(ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask
     (anchor + 0..b-1) and labels [A, b-1] (token at anchor + k, or -100 past the end of the sequence).
     """
     b, t = block_size, ids.shape[0]
-    offsets = torch.arange(b)
+    offsets = torch.arange(b, device=anchors.device)  # on the anchors' device (CUDA in replay)
     positions = anchors[:, None] + offsets  # [A, b]
     tokens = torch.full_like(positions, mask_token_id)
     tokens[:, 0] = ids[anchors]

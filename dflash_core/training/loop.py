@@ -33,7 +33,7 @@ from .blocks import block_inputs, position_weights, sample_anchors
 from .config import TrainConfig
 from .loss import SequenceFeatures, sequence_loss, target_features
 
-__all__ = ["TrainState", "load_checkpoint", "train", "init_distributed", "setup_logging", "export_drafter"]
+__all__ = ["TrainState", "load_checkpoint", "train", "make_optimizer", "optimizer_step", "batch_weight", "init_distributed", "setup_logging", "export_drafter"]
 
 
 def _lr_factor(progress: float, warmup_frac: float, min_ratio: float) -> float:
@@ -87,6 +87,40 @@ def load_checkpoint(path: Path, device: torch.device | str = "cpu") -> dict:
         ) from err
 
 
+def make_optimizer(draft: DFlashDraftModel, cfg: TrainConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+
+
+def optimizer_step(model, optimizer, embed, head_weight: torch.Tensor,
+                   batch: list[tuple[torch.Tensor, SequenceFeatures, torch.Tensor]], wsum: float, cfg: TrainConfig,
+                   lr: float, generator: torch.Generator | None = None) -> dict:
+    """One optimizer step over this rank's ``batch`` of (ids, features, anchors), normalised by the GLOBAL weight sum
+    ``wsum``: one forward and backward per sequence (gradient accumulation; DDP syncs on the last one only), gradient
+    clipping, AdamW. Returns this rank's loss share, top-1 accuracy at block position 1 and the gradient norm."""
+    _, world = rank_and_world()
+    core = getattr(model, "module", model)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+    local_sum, hits, n1 = 0.0, 0, 0
+    for j, (ids, feats, anchors) in enumerate(batch):
+        sync = j == len(batch) - 1 or world == 1
+        with (contextlib.nullcontext() if sync else model.no_sync()):
+            s, st = sequence_loss(model, embed, head_weight, ids, feats, anchors, cfg, generator)
+            (s * (world / wsum)).backward()  # DDP averages over ranks: world/wsum makes it sum/wsum
+        local_sum, hits, n1 = local_sum + float(s.detach()), hits + st["hits1"], n1 + st["n1"]
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(core.parameters(), cfg.grad_clip))
+    optimizer.step()
+    return {"loss": local_sum / wsum, "acc1": hits / max(1, n1), "grad_norm": grad_norm}
+
+
+def batch_weight(ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int,
+                 gamma: float) -> float:
+    """The loss weight sum of one sequence's blocks (known before any forward: it depends on anchors and length)."""
+    _, _, labels = block_inputs(ids, anchors, block_size, mask_token_id)
+    return float((position_weights(block_size, gamma).expand_as(labels) * (labels >= 0)).sum())
+
+
 def train(target, draft: DFlashDraftModel, sequences: list[tuple[torch.Tensor, int]], cfg: TrainConfig,
           out: Path | None = None, log: Callable[[str], None] = print,
           evaluate: Callable[[DFlashDraftModel], dict] | None = None, stop_after: int | None = None,
@@ -112,7 +146,7 @@ def train(target, draft: DFlashDraftModel, sequences: list[tuple[torch.Tensor, i
     model = draft
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(draft, device_ids=[dev.index] if dev.type == "cuda" else None)
-    optimizer = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    optimizer = make_optimizer(draft, cfg)
     state = TrainState()
     ckpt = out / "checkpoint.pt" if out is not None else None
     if out is not None:
@@ -160,7 +194,6 @@ def train(target, draft: DFlashDraftModel, sequences: list[tuple[torch.Tensor, i
     if cfg.cache_features and feature_source is None:  # one teacher-forced target pass per sequence, up front (not part of the time budget)
         for i in tqdm(range(n_seq), desc="target features", unit="seq", disable=rank != 0, mininterval=5):
             features(i)
-    weights = position_weights(draft.block_size, cfg.gamma)
     bar = tqdm(total=state.total_steps, initial=state.step, desc="train", unit="step", disable=rank != 0,
                mininterval=5)
     t_start = time.perf_counter()
@@ -171,28 +204,12 @@ def train(target, draft: DFlashDraftModel, sequences: list[tuple[torch.Tensor, i
         global_idx = batch_indices(step)
         mine = global_idx[rank::world]
         # global weight sum: known before any forward (labels depend only on anchors and lengths)
-        wsum = 0.0
-        for i in global_idx:
-            a = anchors_for(i, step)
-            _, _, labels = block_inputs(sequences[i][0], a, draft.block_size, draft.mask_token_id)
-            wsum += float((weights.expand_as(labels) * (labels >= 0)).sum())
+        wsum = sum(batch_weight(sequences[i][0], anchors_for(i, step), draft.block_size, draft.mask_token_id,
+                                cfg.gamma) for i in global_idx)
         batch = [(sequences[i][0], features(i), anchors_for(i, step)) for i in mine]
         factor = _lr_factor(_progress(state, cfg), cfg.warmup_frac, cfg.min_lr_ratio)
-        for group in optimizer.param_groups:
-            group["lr"] = cfg.lr * factor
-        # one forward + backward per sequence (gradient accumulation; DDP syncs on the last one only)
-        optimizer.zero_grad(set_to_none=True)
-        local_sum, hits, n1 = 0.0, 0, 0
-        for j, (ids, feats, anchors) in enumerate(batch):
-            sync = j == len(batch) - 1 or world == 1
-            with (contextlib.nullcontext() if sync else model.no_sync()):
-                s, st = sequence_loss(model, embed, head_weight, ids, feats, anchors, cfg, neg_gen)
-                (s * (world / wsum)).backward()  # DDP averages over ranks: world/wsum makes it sum/wsum
-            local_sum, hits, n1 = local_sum + float(s.detach()), hits + st["hits1"], n1 + st["n1"]
-        loss = local_sum / wsum
-        stats = {"acc1": hits / max(1, n1)}
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip))
-        optimizer.step()
+        stats = optimizer_step(model, optimizer, embed, head_weight, batch, wsum, cfg, cfg.lr * factor, neg_gen)
+        loss, grad_norm = stats["loss"], stats["grad_norm"]
         state.step += 1
         # the global loss (sum of weighted CE over all ranks / global weight sum); collectives on the training device
         global_loss = torch.tensor([loss], dtype=torch.float64, device=dev)

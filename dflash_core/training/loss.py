@@ -31,6 +31,10 @@ class SequenceFeatures:
     features: torch.Tensor  # [T, taps*hidden] tapped target hidden states (target dtype)
     top_ids: torch.Tensor | None  # [T, k] the target's top-k next-token ids at each position
     top_logp: torch.Tensor | None  # [T, k] their log-probabilities (full-vocabulary softmax)
+    # [T, V'] the target's log-distribution over the drafter's draft vocabulary (its order), renormalised inside it:
+    # dense soft labels from a teacher-forced pass (:mod:`.stream`); used instead of the top-k with loss_vocab="draft"
+    soft_logp: torch.Tensor | None = None
+    distill_weight: float | None = None  # this sequence's weight of the soft term (None: the config's)
 
 
 @torch.no_grad()
@@ -72,12 +76,16 @@ def sequence_loss(model, embed: torch.nn.Module, head_weight: torch.Tensor, ids:
     hidden = hidden[0].view(len(anchors), b, -1)[:, 1:][valid.to(dev)]  # [N, H] predicted positions
     w = position_weights(b, cfg.gamma).expand(len(anchors), -1)[valid].to(dev)  # [N]
     labels = labels[valid].to(dev)  # [N]
-    distill = feats.top_ids is not None and cfg.distill_weight > 0
+    distill_weight = cfg.distill_weight if feats.distill_weight is None else feats.distill_weight
+    dense = feats.soft_logp is not None and distill_weight > 0
+    if dense and cfg.loss_vocab != "draft":
+        raise ValueError("dense soft labels (soft_logp) are over the draft vocabulary: they need loss_vocab='draft'")
+    distill = feats.top_ids is not None and distill_weight > 0 and not dense
+    src = (anchors[:, None] + torch.arange(b - 1))[valid]  # [N] sequence position whose distribution labels each row
     if distill:
         # the target's distribution for the token at anchor+k sits at sequence position anchor+k-1
-        src = (anchors[:, None] + torch.arange(b - 1))[valid].to(feats.top_ids.device)
-        s_ids = feats.top_ids[src].to(dev)  # [N, k]
-        s_prob = feats.top_logp[src].to(dev).double().exp().to(dtype if dtype == torch.float64 else torch.float32)
+        s_ids = feats.top_ids[src.to(feats.top_ids.device)].to(dev)  # [N, k]
+        s_prob = feats.top_logp[src.to(feats.top_ids.device)].to(dev).double().exp().to(dtype if dtype == torch.float64 else torch.float32)
         s_prob = s_prob / s_prob.sum(-1, keepdim=True)  # renormalised top-k distribution
     if cfg.loss_vocab == "batch":
         parts = [labels] + ([s_ids.reshape(-1)] if distill else [])
@@ -112,10 +120,19 @@ def sequence_loss(model, embed: torch.nn.Module, head_weight: torch.Tensor, ids:
     ce = -logp.gather(1, lookup(labels)[:, None])[:, 0]  # [N]
     if distill:
         soft = -(s_prob * logp.gather(1, lookup(s_ids))).sum(-1)  # [N]
-        ce = (1 - cfg.distill_weight) * ce + cfg.distill_weight * soft
+        ce = (1 - distill_weight) * ce + distill_weight * soft
+    if dense:
+        d_prob = feats.soft_logp[src.to(feats.soft_logp.device)].to(dev).float().exp()  # [N, V'] target's distribution
+        soft = -(d_prob * logp).sum(-1)  # [N] cross-entropy against it (the drafter's softmax over the same V')
+        if distill_weight >= 1:  # pure distillation: every row counts, also labels outside the draft vocabulary
+            ce, w = soft, position_weights(b, cfg.gamma).expand(len(anchors), -1)[valid].to(dev)
+        else:
+            ce = (1 - distill_weight) * ce + distill_weight * soft
     with torch.no_grad():
-        first = w == 1.0  # block position k = 1
-        hits = int((logits[first].argmax(-1) == lookup(labels[first])).sum())
+        first = position_weights(b, cfg.gamma).expand(len(anchors), -1)[valid].to(dev) == 1.0  # block position k = 1
+        # top-1 agreement with the target's own choice when its distribution is known, else with the label
+        want = d_prob[first].argmax(-1) if dense else lookup(labels[first])
+        hits = int((logits[first].argmax(-1) == want).sum())
     return (w * ce).sum(), {"weight": float(w.sum()), "hits1": hits, "n1": int(first.sum())}
 
 

@@ -8,16 +8,22 @@ __all__ = ["load_training_target", "resolve_device", "default_taps"]
 
 
 def resolve_device(name: str | None) -> torch.device:
-    """``None``/``"auto"``: CUDA when available (under torchrun: the rank's GPU), else the CPU."""
+    """``None``/``"auto"``: CUDA when available, else the CPU. A CUDA device without an index (``"auto"`` or
+    ``"cuda"``) is the rank's own GPU under torchrun (``LOCAL_RANK``), never ``cuda:0`` for every rank; the chosen
+    GPU is made current, so kernels and NCCL of this process run on it."""
     import os
 
     if name in (None, "auto"):
-        if torch.cuda.is_available():
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-        return torch.device("cpu")
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        name = "cuda"
     device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"--device {name}: CUDA is not available here (use --device cpu)")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit(f"--device {name}: CUDA is not available here (use --device cpu)")
+        if device.index is None:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     return device
 
 

@@ -1,0 +1,301 @@
+"""A training stream at the machine's teacher-forced ceiling: every step reads fresh sequences, one batched target pass
+gives their features and soft labels, and the drafter trains on them straight away.
+
+Where :mod:`.fit` trains on features kept from generation (and so on the few tokens generation could afford), the
+stream draws each step's sequences from a mix of sources (``mix``): ``generated`` (the target's own answers, the
+committed token shards: on-policy) and the offline text corpus (:mod:`.textcorpus`: ``code``, ``math``, ``docs``).
+One teacher-forced target forward over the step's padded batch gives
+
+* the tapped hidden states (the drafter's context features), and
+* the target's log-distribution over the drafter's draft vocabulary at every position: dense soft labels (the final
+  normed hidden state times the draft vocabulary's rows of the LM head, so the full 49K-row head is never computed).
+
+Corpus text is not the target's writing, so its hard labels are not what the target would say: its sequences train on
+the soft labels alone (``distill_weight`` 1); generated sequences keep the recipe's mix of hard and soft labels.
+
+The stream's position (:class:`Cursor`: files read per corpus kind, generated sequences used, steps) travels with the
+checkpoint and, through the committed training log, to the next run on a fresh machine, which continues with
+sequences no earlier run has seen. The learning-rate schedule follows the TOKENS planned for this run (fixed after
+the first steps from the measured rate and the time budget), so a paused or shared CPU delays the run but never
+shortens its schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from ..model import DFlashDraftModel
+from .blocks import sample_anchors
+from .config import TrainConfig
+from .loop import _lr_factor, batch_weight, load_checkpoint, make_optimizer, optimizer_step
+from .loss import SequenceFeatures
+
+__all__ = ["Cursor", "StreamSequence", "SequenceStream", "teacher_forced_batch", "StreamState", "stream_train"]
+
+KINDS = ("generated", "code", "math", "docs")
+
+
+@dataclass
+class Cursor:
+    """Where a stream stands: per corpus kind the next file position, generated sequences drawn, steps taken."""
+
+    files: dict[str, int] = field(default_factory=dict)
+    generated: int = 0
+    slots: int = 0  # sequences drawn in all (the mixing draw is keyed by it)
+
+
+@dataclass
+class StreamSequence:
+    key: str
+    kind: str
+    ids: torch.Tensor  # [T] prompt + response
+    prompt_len: int
+
+    @property
+    def response_tokens(self) -> int:
+        return len(self.ids) - self.prompt_len
+
+
+class SequenceStream:
+    """Sequences in a seeded mix of sources, grouped into steps of similar length.
+
+    ``generated``: [(key, ids [T], prompt length)] (the on-policy data; drawn in a seeded order, epoch after epoch);
+    ``end_ids``: the token(s) that end an assistant turn, appended to every corpus answer;
+    the corpus kinds are read lazily through :func:`.textcorpus.iter_items` from the cursor's file positions. Each
+    window of ``window_steps`` steps is drawn first, sorted by length and cut into steps (less padding in the batched
+    target pass), and the steps of a window come in a seeded order.
+    """
+
+    def __init__(self, tokenizer, mix: dict[str, float], cursor: Cursor, seqs_per_step: int, max_len: int,
+                 end_ids: list[int], generated: list[tuple[str, torch.Tensor, int]] = (), seed: int = 0,
+                 window_steps: int = 8, sources=None, banned: set[int] | None = None) -> None:
+        unknown = set(mix) - set(KINDS)
+        if unknown or not mix or min(mix.values()) < 0 or sum(mix.values()) <= 0:
+            raise ValueError(f"mix must give non-negative weights to some of {KINDS}, got {mix}")
+        if mix.get("generated", 0) > 0 and not generated:
+            raise ValueError("the mix asks for generated sequences but none were given (pass --generated-data)")
+        self.tokenizer, self.cursor, self.seed = tokenizer, cursor, seed
+        self.mix = {k: v for k, v in mix.items() if v > 0}
+        self.seqs_per_step, self.max_len, self.window_steps = seqs_per_step, max_len, window_steps
+        self.generated = list(generated)
+        self.sources, self.banned = sources, banned
+        self.stats: dict = {"dropped": 0}
+        self._iters: dict[str, Iterator] = {}
+        self._end = list(end_ids)  # appended to every corpus answer: the end of an assistant turn
+        self._pending: list[list[StreamSequence]] = []
+
+    def _corpus_next(self, kind: str) -> StreamSequence | None:
+        from ..data import build_chat
+        from .textcorpus import iter_items
+
+        while True:
+            if kind not in self._iters:
+                self._iters[kind] = iter_items(kind, self.cursor.files.get(kind, 0), self.seed, self.sources,
+                                               self.banned, self.stats)
+            try:
+                pos, item = next(self._iters[kind])
+            except StopIteration:
+                return None  # this kind is used up
+            self.cursor.files[kind] = pos  # its file is being read (a resume re-reads it)
+            prompt = build_chat(self.tokenizer, [item.request])
+            response = list(self.tokenizer.encode(item.response, add_special_tokens=False)) + self._end
+            ids = (prompt + response)[: self.max_len]
+            if len(ids) - len(prompt) >= 16:
+                return StreamSequence(item.item_id, kind, torch.tensor(ids), len(prompt))
+
+    def _generated_next(self) -> StreamSequence:
+        n = len(self.generated)
+        epoch, offset = divmod(self.cursor.generated, n)
+        order = list(range(n))
+        random.Random(f"stream-generated:{self.seed}:{epoch}").shuffle(order)
+        key, ids, p = self.generated[order[offset]]
+        self.cursor.generated += 1
+        return StreamSequence(f"{key}@e{epoch}", "generated", ids[: self.max_len], p)
+
+    def _draw(self) -> StreamSequence | None:
+        kinds = sorted(self.mix)
+        while kinds:
+            rng = random.Random(f"stream-mix:{self.seed}:{self.cursor.slots}")
+            kind = rng.choices(kinds, weights=[self.mix[k] for k in kinds])[0]
+            seq = self._generated_next() if kind == "generated" else self._corpus_next(kind)
+            if seq is not None:
+                self.cursor.slots += 1
+                return seq
+            kinds.remove(kind)  # used up: the others share its weight from now on
+            self.mix.pop(kind)
+        return None
+
+    def next_step(self) -> list[StreamSequence]:
+        """The sequences of the next step (fewer than ``seqs_per_step`` only when every source is used up)."""
+        if not self._pending:
+            window = []
+            for _ in range(self.seqs_per_step * self.window_steps):
+                seq = self._draw()
+                if seq is None:
+                    break
+                window.append(seq)
+            window.sort(key=lambda s: len(s.ids))
+            steps = [window[i:i + self.seqs_per_step] for i in range(0, len(window), self.seqs_per_step)]
+            random.Random(f"stream-window:{self.seed}:{self.cursor.slots}").shuffle(steps)
+            self._pending = steps
+        return self._pending.pop() if self._pending else []
+
+
+@torch.no_grad()
+def teacher_forced_batch(target, draft: DFlashDraftModel, seqs: list[torch.Tensor],
+                         distill_weights: list[float | None] | None = None) -> list[SequenceFeatures]:
+    """One target forward over the right-padded batch of ``seqs`` (each [T_i]): per sequence its tapped features
+    [T_i, taps*H] and the target's log-distribution over the drafter's draft vocabulary [T_i, V'].
+
+    Right padding needs no attention mask: under causal attention a real position never sees the pads after it.
+    """
+    if draft.draft_vocab is None:
+        raise ValueError("the stream's soft labels are over a draft vocabulary: give the drafter one (set_draft_vocab)")
+    device = target.lm_head.weight.device
+    lengths = [len(s) for s in seqs]
+    x = torch.zeros((len(seqs), max(lengths)), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        x[i, : len(s)] = s
+    out = target.model(input_ids=x.to(device), output_hidden_states=True, use_cache=False)
+    feats = torch.cat([out.hidden_states[i + 1] for i in draft.config.target_layer_ids], dim=-1)  # [B, T, taps*H]
+    head = draft.head_rows(target.lm_head.weight)  # [V', H] the draft vocabulary's rows of the target's head
+    logp = torch.log_softmax((out.last_hidden_state @ head.t()).float(), dim=-1)  # [B, T, V']
+    weights = distill_weights or [None] * len(seqs)
+    return [SequenceFeatures(feats[i, :n], None, None, soft_logp=logp[i, :n], distill_weight=weights[i])
+            for i, n in enumerate(lengths)]
+
+
+@dataclass
+class StreamState:
+    step: int = 0
+    tokens: int = 0  # response tokens trained on in this run (sequences' anchorable part)
+    planned_tokens: int | None = None  # the schedule's length, fixed after the first steps
+    target_seconds: float = 0.0  # in the teacher-forced target passes
+    target_tokens: int = 0  # real (unpadded) tokens through them
+    train_seconds: float = 0.0  # whole steps (target pass + drafter step)
+    cursor: Cursor = field(default_factory=Cursor)
+    history: list[dict] = field(default_factory=list)
+    by_kind: dict[str, int] = field(default_factory=dict)  # response tokens per source kind
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StreamState":
+        return cls(**{**d, "cursor": Cursor(**d["cursor"])})
+
+
+def stream_train(target, draft: DFlashDraftModel, stream: SequenceStream, cfg: TrainConfig, out: Path,
+                 log: Callable[[str], None] = print, evaluate: Callable[[DFlashDraftModel], dict] | None = None,
+                 minutes: float | None = None, tokens: int | None = None, eval_every_tokens: int = 500_000,
+                 state: StreamState | None = None, plan_after_steps: int = 10, log_every: int = 25) -> StreamState:
+    """Train ``draft`` from ``stream`` until this run's token plan is used (``tokens``, or what ``minutes`` of
+    steps at the rate of the first ``plan_after_steps`` steps give) or the stream runs dry.
+
+    ``out/checkpoint.pt`` (drafter, optimizer, :class:`StreamState` with the cursor) is written every
+    ``cfg.ckpt_every`` steps and at the end; a call on a folder holding one resumes it. Every ``log_every`` steps
+    the step's loss, accuracy and learning rate join ``state.history``. ``evaluate(draft)`` runs at
+    the start, every ``eval_every_tokens`` and at the end; its results land in the history with the token count.
+    """
+    if (minutes is None) == (tokens is None):
+        raise ValueError("give exactly one of minutes and tokens")
+    dev = target.lm_head.weight.device
+    draft.to(dev).float().train()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    embed, head_weight = target.model.embed_tokens, target.lm_head.weight
+    optimizer = make_optimizer(draft, cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = out / "checkpoint.pt"
+    state = state or StreamState(cursor=stream.cursor)
+    if ckpt.is_file():
+        blob = load_checkpoint(ckpt, dev)
+        draft.load_state_dict(blob["draft"])
+        optimizer.load_state_dict(blob["optimizer"])
+        state = StreamState.from_dict(json.loads(blob["stream_state"]))
+        log(f"stream: resumed from {ckpt} at step {state.step}, {state.tokens} tokens")
+    stream.cursor = state.cursor
+    if tokens is not None:
+        state.planned_tokens = tokens
+
+    def save() -> None:
+        blob_state = {"stream_state": json.dumps(state.to_dict())}
+        tmp = ckpt.with_suffix(".tmp")
+        torch.save({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(), **blob_state,
+                    "config": draft.config.to_dict()}, tmp)
+        tmp.replace(ckpt)
+
+    def run_eval() -> None:
+        if evaluate is None:
+            return
+        t0 = time.perf_counter()
+        draft.eval()
+        ev = evaluate(draft)
+        draft.train()
+        entry = {"step": state.step, "tokens": state.tokens, **ev, "eval_seconds": time.perf_counter() - t0}
+        state.history.append(entry)
+        brief = {k: v for k, v in ev.items() if not isinstance(v, (dict, list))}
+        log(f"stream: eval at {state.tokens} tokens (step {state.step}, {entry['eval_seconds']:.0f} s): {brief}")
+
+    if not state.history or all("tau_chain" not in h for h in state.history):
+        run_eval()
+    next_eval = (state.tokens // eval_every_tokens + 1) * eval_every_tokens
+    gen = torch.Generator().manual_seed(cfg.seed)
+    while state.planned_tokens is None or state.tokens < state.planned_tokens:
+        t_step = time.perf_counter()
+        seqs = stream.next_step()
+        if not seqs:
+            log("stream: every source is used up")
+            break
+        t0 = time.perf_counter()
+        feats = teacher_forced_batch(target, draft, [s.ids for s in seqs],
+                                     [None if s.kind == "generated" else 1.0 for s in seqs])
+        t_target = time.perf_counter() - t0
+        anchors = [sample_anchors(s.prompt_len, len(s.ids), cfg.anchors,
+                                  torch.Generator().manual_seed(hash((cfg.seed, state.step, j)) % 2**62))
+                   for j, s in enumerate(seqs)]
+        wsum = sum(batch_weight(s.ids, a, draft.block_size, draft.mask_token_id, cfg.gamma)
+                   for s, a in zip(seqs, anchors))
+        progress = 0.0 if state.planned_tokens is None else state.tokens / state.planned_tokens
+        lr = cfg.lr * _lr_factor(progress, cfg.warmup_frac, cfg.min_lr_ratio)
+        stats = optimizer_step(draft, optimizer, embed, head_weight,
+                               [(s.ids, f, a) for s, f, a in zip(seqs, feats, anchors)], wsum, cfg, lr, gen)
+        del feats
+        state.step += 1
+        new = sum(s.response_tokens for s in seqs)
+        state.tokens += new
+        for s in seqs:
+            state.by_kind[s.kind] = state.by_kind.get(s.kind, 0) + s.response_tokens
+        state.target_seconds += t_target
+        state.target_tokens += sum(len(s.ids) for s in seqs)
+        state.train_seconds += time.perf_counter() - t_step
+        record = {"step": state.step, "tokens": state.tokens, "loss": stats["loss"], "acc1": stats["acc1"],
+                  "lr": lr, "grad_norm": stats["grad_norm"]}
+        if state.step % log_every == 0:
+            state.history.append(record)
+            log(f"stream: step {state.step} tokens {state.tokens} loss {stats['loss']:.4f} acc1 {stats['acc1']:.3f} "
+                f"lr {lr:.2e} | target pass {state.target_tokens / state.target_seconds:.0f} tok/s, end to end "
+                f"{state.tokens / state.train_seconds:.0f} response tok/s ({state.train_seconds / 60:.1f} min)")
+        if state.planned_tokens is None and state.step >= plan_after_steps:
+            rate = state.tokens / state.train_seconds
+            state.planned_tokens = int(rate * minutes * 60)
+            log(f"stream: {rate:.0f} response tokens/s over the first {state.step} steps: this run plans "
+                f"{state.planned_tokens} tokens ({minutes} min)")
+        if state.tokens >= next_eval:
+            run_eval()
+            next_eval += eval_every_tokens
+        if state.step % cfg.ckpt_every == 0:
+            save()
+    if not state.history or state.history[-1].get("tokens") != state.tokens or "tau_chain" not in state.history[-1]:
+        run_eval()
+    save()
+    draft.eval()
+    return state
