@@ -49,6 +49,9 @@ MIN_CHUNKED_VOCAB = 16 * CHUNK  # below this the candidate search is not worth i
 HEAP_BELOW_FIXED, HEAP_BELOW_PER_ROW = 30, 5  # select_prefixes runs the heap for budgets below 30 + 5 x rows
 COMPRESS_ABOVE = 4096  # outer sums larger than this expand only the parents that keep a child
 ENUMERATION_CAP_PER_NODE = 64  # select_prefixes falls back to the heap if it would enumerate more than ~64 B prefixes
+OUTER_SUM_LIMIT = 1 << 24  # entries of one depth's outer sum (128 MiB of float64) above which the heap runs instead:
+# a huge budget (say 10**6 over a 49K vocabulary) would otherwise ask for a [V, V] array; the heap's memory grows
+# with the nodes it builds
 
 
 @dataclass(frozen=True)
@@ -342,6 +345,8 @@ def _select_by_levels(candidates: Candidates, budget: int) -> SelectedNodes | No
             expanded = np.flatnonzero(parents + row_values[0] >= bound)
             parent_maps.append((len(scores), expanded))
             parents = parents[expanded]
+        if parents.size * width > OUTER_SUM_LIMIT:
+            return _select_by_heap(candidates, budget)
         layout.append((mask_total, parents.size, previous_first, starts[row]))
         previous_first = total
         children = np.add.outer(row_values, parents)  # [k_d, parents]: a long inner axis is what numpy is fast at

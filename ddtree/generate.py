@@ -20,18 +20,21 @@ Tree kinds (``tree=``), for a fixed budget:
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Sequence
 
 import torch
 
 from dflash_core import Chain, GenerationResult, speculative_generate
+from dflash_core.decoding import validate_request
 from dflash_core.target import check_tree_attention
 
 from .build import build_tree
 from .sampled import SampledTree
 from .tree import DraftTree
 
-__all__ = ["FixedBudget", "TREE_KINDS", "ddtree_generate", "make_policy"]
+__all__ = ["FixedBudget", "TREE_KINDS", "check_verifiable", "ddtree_generate", "make_policy"]
 
 TREE_KINDS = ("topk", "sampled")
 
@@ -42,9 +45,9 @@ class FixedBudget:
     uses_draft = True
 
     def __init__(self, budget: int) -> None:
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget < 0:
             raise ValueError(f"budget must be a non-negative int, 'chain' or 'auto', got {budget!r}")
-        self.budget = budget
+        self.budget = int(budget)
         self.name = f"fixed-{budget}"
 
     def propose(self, draft_logits: torch.Tensor, history: list[int]) -> DraftTree:
@@ -64,7 +67,7 @@ def make_policy(budget, target=None, draft=None, tree: str = "topk", temperature
     if tree not in TREE_KINDS:
         raise ValueError(f"unknown tree kind {tree!r}: use one of {TREE_KINDS}")
     if tree == "sampled":
-        if isinstance(budget, bool) or not isinstance(budget, int):
+        if isinstance(budget, bool) or not isinstance(budget, numbers.Integral):
             raise ValueError(f"tree='sampled' needs an int budget >= 0, got {budget!r}")
         if temperature > 0:
             token_map = getattr(draft, "d2t", None)
@@ -81,6 +84,48 @@ def make_policy(budget, target=None, draft=None, tree: str = "topk", temperature
     if isinstance(budget, str):
         raise ValueError(f"unknown budget policy {budget!r}: use an int >= 0, 'chain', 'auto' or 'chain-auto'")
     return FixedBudget(budget)
+
+
+def _memory_bytes(device: torch.device) -> int:
+    """What one forward may use: free memory of a CUDA device, else the machine's physical memory."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    import os
+
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def check_verifiable(target, draft, budget: int, max_context: int) -> None:
+    """Raise ValueError when a tree of ``budget`` nodes cannot be verified in one target forward on this machine.
+
+    The tree has at most min(budget, V + V^2 + ... + V^(b-1)) nodes (V: the drafter's vocabulary); its verify forward
+    attends from every node to up to ``max_context`` + nodes positions, which costs about 4 bytes per head and
+    position pair where the kernel materialises the scores, plus the mask. Above a quarter of the memory at hand
+    that forward would exhaust it; the error names the largest budget that fits (the DDTree paper sweeps 16-1024).
+    """
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget < 0:
+        raise ValueError(f"budget must be an int >= 0, 'chain', 'auto' or 'chain-auto', got {budget!r}")
+    depth = (draft.block_size - 1) if draft is not None else 15
+    vocab = (draft.config.draft_vocab_size or draft.config.vocab_size) if draft is not None else budget
+    nodes, level = 0, 1
+    for _ in range(depth):  # prefixes of length 1..depth: V + V^2 + ... (a tree holds at most that many)
+        level *= int(vocab)
+        nodes += level
+        if nodes >= budget:
+            break
+    nodes = min(int(budget), nodes)
+    heads = int(getattr(target.config, "num_attention_heads", 32))
+    per_pair = 4 * heads + 5  # fp32 scores per head, the additive mask and the boolean visibility
+    allowed = _memory_bytes(target.lm_head.weight.device) // 4
+    need = (nodes + 1) * (max_context + nodes + 1) * per_pair
+    if need > allowed:
+        # largest n with (n + 1) * (max_context + n + 1) * per_pair <= allowed
+        c = max_context + 1
+        largest = int((-(c + 1) + math.sqrt((c + 1) ** 2 - 4 * (c - allowed / per_pair))) / 2)
+        raise ValueError(f"budget={budget}: a tree of {nodes} nodes cannot be verified in one target forward here "
+                         f"(about {need / 2**30:.1f} GiB of attention, more than a quarter of the "
+                         f"{4 * allowed / 2**30:.0f} GiB at hand); use a budget of at most {max(0, largest)} "
+                         "(the DDTree paper sweeps 16-1024)")
 
 
 def ddtree_generate(
@@ -108,6 +153,9 @@ def ddtree_generate(
     Trees need a target whose attention backend applies a 4D mask (SDPA, eager, flex): anything else raises
     ``IncompatibleModelError``; ``budget="chain"`` and ``"chain-auto"`` run on any backend.
     """
+    validate_request(input_ids, max_new_tokens, temperature)  # before any work (``auto`` measures a cost curve)
+    if policy is None and not isinstance(budget, str):
+        check_verifiable(target, draft, budget, int(input_ids.shape[1]) + max_new_tokens)
     chain = isinstance(policy, Chain) or getattr(policy, "chain", False) is True
     if not chain and (policy is not None or budget not in ("chain", "chain-auto")):
         check_tree_attention(target)  # before any work: a tree needs a backend that applies the 4D mask

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import numbers
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -256,13 +257,13 @@ class SampledTree:
 
     def __init__(self, budget: int, temperature: float = 1.0, seed: int = 0, draft_temperature: float | None = None,
                  token_map: torch.Tensor | None = None, rule: RecursiveRejection | None = None) -> None:
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget < 0:
             raise ValueError(f"a sampled tree needs an int budget >= 0, got {budget!r}")
         draft_temperature = temperature if draft_temperature is None else draft_temperature
         if not draft_temperature > 0:
             raise ValueError(f"a sampled tree needs a draft temperature > 0, got {draft_temperature!r} "
                              "(at T = 0 use the deterministic top-K tree)")
-        self.budget, self.draft_temperature = budget, float(draft_temperature)
+        self.budget, self.draft_temperature = int(budget), float(draft_temperature)
         self.token_map = None if token_map is None else torch.as_tensor(token_map, dtype=torch.int64).cpu()
         self.rule = rule or RecursiveRejection()
         self.rng = np.random.default_rng(seed)
@@ -303,7 +304,9 @@ class SampledTree:
         depths: list[int] = []
         scores: list[float] = []
         taken: dict[int, list[int]] = {ROOT: []}
-        rows.prob(0)
+        if not np.isfinite(rows.prob(0)).all() or rows.top_log[0].size == 0:
+            raise ValueError("draft_logits row 0 has no finite probabilities (NaN or +/-inf logits, or a row of "
+                             "-inf): cannot sample the root's children")
         # candidates "the next child of a node": (-priority, tie order, parent node, rank of that child)
         heap = [(-float(rows.top_log[0][0]), 0, ROOT, 0)]
         pushes = 1

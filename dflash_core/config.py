@@ -262,12 +262,25 @@ class DFlashConfig:
         )
 
     def save(self, folder: str | Path) -> None:
+        """Write ``config.json`` atomically (a temporary file renamed over it: never half a file)."""
+        import os
+
         Path(folder).mkdir(parents=True, exist_ok=True)
-        (Path(folder) / "config.json").write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        path = Path(folder) / "config.json"
+        tmp = path.with_name(f".config.json.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        os.replace(tmp, path)
 
     @classmethod
     def load(cls, folder: str | Path) -> "DFlashConfig":
         path = Path(folder) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in {folder}: a DFlash checkpoint folder holds config.json and model.safetensors")
-        return cls.from_dict(json.loads(path.read_text()))
+        try:
+            raw = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{path} is not valid JSON ({err}): the file is damaged or not a config; restore it from "
+                             "the checkpoint's source (or git) or download the checkpoint again") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path} holds a JSON {type(raw).__name__}, not an object of config fields")
+        return cls.from_dict(raw)

@@ -17,6 +17,8 @@ target's distribution was computed in advance; it never changes which token is d
 from __future__ import annotations
 
 import inspect
+import math
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
@@ -196,7 +198,8 @@ class GenerationResult:
         return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
 
 
-def _validate(input_ids: torch.Tensor, max_new_tokens: int, temperature: float) -> None:
+def validate_request(input_ids: torch.Tensor, max_new_tokens: int, temperature: float) -> None:
+    """Raise ValueError for a malformed prompt, length or temperature (before any model work)."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:
         shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids must be a [1, T] LongTensor (batch size 1), got {shape}")
@@ -204,10 +207,33 @@ def _validate(input_ids: torch.Tensor, max_new_tokens: int, temperature: float) 
         raise ValueError("input_ids is empty: give at least one prompt token")
     if input_ids.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not math.isfinite(temperature) \
+            or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+
+
+def _check_room(adapter: TargetAdapter, prompt_len: int, max_new_tokens: int) -> None:
+    """The prompt and the answer must fit the target's positions: past them its outputs are meaningless."""
+    limit = getattr(adapter.model.config, "max_position_embeddings", None)
+    if limit is not None and prompt_len + max_new_tokens > limit:
+        room = max(0, limit - prompt_len)
+        raise ValueError(
+            f"the prompt ({prompt_len} tokens) plus max_new_tokens ({max_new_tokens}) exceed the target's "
+            f"{limit} positions (config.max_position_embeddings): "
+            + (f"lower max_new_tokens to at most {room}" if room else "shorten the prompt")
+            + " (past its trained length the target's outputs are not meaningful)")
+
+
+def _check_stop_ids(adapter: TargetAdapter, stop_token_ids) -> set[int]:
+    stops = set()
+    for t in stop_token_ids or ():
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= int(t) < adapter.vocab_size:
+            raise ValueError(f"stop token id {t!r} is not a token of the target (ids 0..{adapter.vocab_size - 1}): "
+                             "pass ids from the tokenizer, e.g. [tokenizer.eos_token_id]")
+        stops.add(int(t))
+    return stops
 
 
 def _first_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
@@ -228,18 +254,19 @@ def speculative_generate(
     trace: bool = False,
 ) -> GenerationResult:
     """Generate with ``policy`` deciding each round's draft tree. See the module docstring for why it is lossless."""
-    _validate(input_ids, max_new_tokens, temperature)
+    validate_request(input_ids, max_new_tokens, temperature)
     if policy.uses_draft:
         if draft is None:
             raise ValueError(f"policy {policy.name!r} needs a drafter; pass draft=...")
         check_compatibility(target, draft)
     adapter = TargetAdapter(target, draft.config.target_layer_ids if policy.uses_draft else ())
     adapter.check_token_ids(input_ids)
+    _check_room(adapter, int(input_ids.shape[1]), max_new_tokens)
+    stops = _check_stop_ids(adapter, stop_token_ids)
     device = adapter.device
     b = block_size or (draft.block_size if policy.uses_draft else 1)
     if policy.uses_draft and not 2 <= b:
         raise ValueError(f"block_size must be >= 2, got {b}")
-    stops = set(stop_token_ids or ())
     generator = torch.Generator(device=device).manual_seed(seed)
     timer = StageTimer(device)
     result = GenerationResult([], [], {}, int(input_ids.shape[1]), trees=[] if trace else None)
