@@ -262,14 +262,10 @@ class DFlashConfig:
         )
 
     def save(self, folder: str | Path) -> None:
-        """Write ``config.json`` atomically (a temporary file renamed over it: never half a file)."""
-        import os
+        """Write ``config.json`` atomically (never half a file)."""
+        from .files import write_text_atomic
 
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        path = Path(folder) / "config.json"
-        tmp = path.with_name(f".config.json.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        os.replace(tmp, path)
+        write_text_atomic(Path(folder) / "config.json", json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
     def load(cls, folder: str | Path) -> "DFlashConfig":

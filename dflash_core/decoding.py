@@ -181,6 +181,15 @@ def observer(policy):
     return lambda path: observe(len(path))
 
 
+def truncate_at_stop(tokens: list[int], stops: set[int], room: int) -> tuple[list[int], bool]:
+    """(the tokens a round commits, whether generation ends): up to and including the first stop token, at most
+    ``room`` tokens (what max_new_tokens leaves)."""
+    for k, token in enumerate(tokens):
+        if token in stops or k + 1 >= room:
+            return tokens[: k + 1], True
+    return tokens, False
+
+
 # ---------------------------------------------------------------------------------------------------- the loop
 @dataclass
 class GenerationResult:
@@ -314,20 +323,17 @@ def speculative_generate(
             out = adapter.forward(verify_ids, positions, cache, visibility=visibility, with_features=policy.uses_draft)
         with timer.stage("commit"):
             path, bonus = verify_walk(proposal, out.logits, temperature, generator)
+            committed, done = truncate_at_stop([int(proposal.token_ids[i]) for i in path] + [bonus], stops,
+                                               max_new_tokens - len(result.new_token_ids))
             if observe is not None:
-                observe(path)
+                observe(path[: len(committed)])  # the accepted nodes that were committed (a stop cuts the rest)
             keep = torch.tensor([0] + [i + 1 for i in path], dtype=torch.long)  # root + accepted nodes
             adapter.compact(cache, start, keep)
             if policy.uses_draft:
                 pending = out.features[keep.to(device)]
             start += len(keep)
-            committed = [int(proposal.token_ids[i]) for i in path] + [bonus]
-            for k, token in enumerate(committed):
-                result.new_token_ids.append(token)
-                history.append(token)
-                if token in stops or len(result.new_token_ids) >= max_new_tokens:
-                    committed, done = committed[: k + 1], True
-                    break
+            result.new_token_ids += committed
+            history += committed
             result.acceptance_lengths.append(len(committed))
             result.tree_sizes.append(len(proposal.token_ids))
             result.expected_acceptance.append(proposal.expected_acceptance())

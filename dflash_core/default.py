@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -61,10 +62,16 @@ def load_default_target(dtype: torch.dtype | None = None, device: str | torch.de
             del model.config.quantization_config
         model.hf_quantizer = None
         tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        if not cache.exists():
-            tmp.replace(cache)
+        try:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            if not (cache / "model.safetensors").is_file():  # another process may have finished it meanwhile
+                if cache.exists():  # a half-built cache (an interrupted first run): replaced, not trusted
+                    shutil.rmtree(cache)
+                tmp.replace(cache)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp)
     tokenizer = AutoTokenizer.from_pretrained(cache)
     model = AutoModelForCausalLM.from_pretrained(cache, dtype=dtype, attn_implementation="sdpa")
     return model.to(device).eval(), tokenizer

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .decoding import ProposalPolicy, observer, verify_walk
+from .decoding import ProposalPolicy, observer, truncate_at_stop, verify_walk
 from .target import TargetAdapter
 
 __all__ = ["ReplayResult", "draft_hidden_all_rounds", "replay", "replay_policies"]
@@ -112,15 +112,12 @@ def replay(target, draft, policy: ProposalPolicy, ids: torch.Tensor, prompt_len:
         logits[choice >= 0, choice[choice >= 0]] = 1.0
         logits[choice < 0, 0] = 1.0  # only past the last committed token: truncated below
         path, bonus = verify_walk(proposal, logits, 0.0, None)
+        committed, done = truncate_at_stop([int(proposal.token_ids[i]) for i in path] + [bonus], stops,
+                                           max_new_tokens - generated)
         if observe is not None:
-            observe(path)
-        committed = [int(proposal.token_ids[i]) for i in path] + [bonus]
-        for k, token in enumerate(committed):
-            history.append(token)
-            generated += 1
-            if token in stops or generated >= max_new_tokens:
-                committed, done = committed[: k + 1], True
-                break
+            observe(path[: len(committed)])  # as the decode loop: only the accepted nodes that were committed
+        history += committed
+        generated += len(committed)
         if anchor + len(committed) >= t:
             raise ValueError("the continuation ended before max_new_tokens without a stop token: pass the full "
                              "greedy continuation (plain decoding with the same stop tokens and max_new_tokens)")

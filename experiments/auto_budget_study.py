@@ -33,7 +33,7 @@ import torch
 
 from ddtree.budget import CALIBRATIONS, RULES, AutoBudget, CostModel, measure_cost_model
 from ddtree.generate import make_policy
-from experiments.schema import write_json_atomic
+from experiments.schema import write_json_atomic, write_text_atomic
 
 FIXED = (2, 4, 8, 16, 32, 64)
 
@@ -130,7 +130,7 @@ def run(args) -> dict:
                         "curves": {k: v[0].to_json() | {"cap": v[1]} for k, v in cost_curves.items()}}
     out = Path(args.out)
     write_json_atomic(out / "auto_budget_study.json", results)
-    (out / "auto_budget_study.md").write_text(markdown(results))
+    write_text_atomic(out / "auto_budget_study.md", markdown(results))
     return results
 
 

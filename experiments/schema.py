@@ -279,14 +279,19 @@ def completed_keys(path: str | os.PathLike) -> set[tuple]:
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
-    """Write JSON to a temporary file in the same folder, fsync it, then os.replace it over ``path``."""
+    """Write JSON atomically (:func:`write_text_atomic`)."""
+    write_text_atomic(path, json.dumps(obj, indent=2, default=_plain, allow_nan=False, ensure_ascii=False) + "\n")
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write text to a temporary file in the same folder, fsync it, os.replace it over ``path``, then fsync the
+    folder (best effort) so the rename itself is durable. Plain standard library: ``plots`` writes through it too."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2, default=_plain, allow_nan=False, ensure_ascii=False)
-            f.write("\n")
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

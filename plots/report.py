@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+from experiments.schema import write_text_atomic
 from plots.figures import plot_all
 from plots.load import Run, find_runs, merge_records
 from plots.metrics import compute_stats, headline_stats
@@ -40,15 +41,15 @@ def make_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, form
     out_dir.mkdir(parents=True, exist_ok=True)
     for stem, rows in (("results_table", headline_stats(stats, fixed_budget)), ("all_budgets", all_rows(stats))):
         md = out_dir / f"{stem}.md"
-        md.write_text(markdown_table(rows) + "\n" + footnote(rows) + "\n", encoding="utf-8")
+        write_text_atomic(md, markdown_table(rows) + "\n" + footnote(rows) + "\n")
         tex = out_dir / f"{stem}.tex"
-        tex.write_text(latex_table(rows), encoding="utf-8")
+        write_text_atomic(tex, latex_table(rows))
         paths += [md, tex]
     from plots.tables import policy_table
 
     policies = policy_table(records)
     if policies:
         path = out_dir / "policies_vs_oracle.md"
-        path.write_text(policies, encoding="utf-8")
+        write_text_atomic(path, policies)
         paths.append(path)
     return paths

@@ -120,3 +120,30 @@ def test_auto_validates_the_input_before_it_measures_anything(pair, monkeypatch)
     monkeypatch.setattr(budget_module.AutoBudget, "for_models", classmethod(measured))
     with pytest.raises(ValueError, match="empty"):
         ddtree_generate(pair[0], pair[1], torch.zeros((1, 0), dtype=torch.long), budget="auto")
+
+
+# ---------------------------------------------------------------------------------------------------- files
+def test_an_interrupted_write_leaves_the_old_file_whole(tmp_path):
+    from dflash_core.files import atomic_write, write_text_atomic
+
+    path = tmp_path / "config.json"
+    write_text_atomic(path, "old\n")
+
+    def crash(tmp):
+        tmp.write_text("half of a new fi")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write(path, crash)
+    assert path.read_text() == "old\n" and [p.name for p in tmp_path.iterdir()] == ["config.json"]
+
+
+def test_a_cut_off_sample_line_costs_only_itself(tmp_path):
+    from dflash_core.training.respond import _end_with_newline, load_samples
+
+    path = tmp_path / "samples.jsonl"
+    path.write_text('{"a": 1}\n{"a": 2, "respo\n{"a": 3}\n{"a": 4, "cut')
+    _end_with_newline(path)  # what a resumed run does before appending
+    with open(path, "a") as f:
+        f.write('{"a": 5}\n')
+    assert [s["a"] for s in load_samples(path)] == [1, 3, 5]

@@ -56,3 +56,36 @@ def test_replay_evaluator_equals_the_live_evaluator():
     live = tau_evaluator(target, None, prompts, 40, [4])(draft)
     replayed = replay_evaluator(target, prompts, 40, [4])(draft)
     assert replayed["tau"] == pytest.approx(live["tau"], abs=1e-12) and live["tau"] > 1.0
+
+
+class _Recording:
+    """A fixed-budget policy that records what the loop tells it after every round."""
+
+    uses_draft = True
+
+    def __init__(self, budget: int) -> None:
+        self.inner, self.name, self.seen = make_policy(budget), f"recording-{budget}", []
+
+    def propose(self, draft_logits, history):
+        return self.inner.propose(draft_logits, history)
+
+    def observe(self, accepted, path):
+        self.seen.append(list(path))
+
+
+def test_loop_and_replay_report_the_same_committed_nodes_when_a_round_is_cut():
+    """The last round is cut by max_new_tokens or a stop token: both the loop and the replay hand the policy only
+    the accepted nodes that were committed, so an adaptive policy learns the same from both."""
+    target = make_target("llama", vocab=6, init=0.3)
+    draft = make_draft(target, block_size=5)
+    cases = [(seed, n, stops) for seed in range(3) for n in range(5, 30, 3) for stops in ([], [4])]
+    for seed, n, stops in cases:
+        p = prompt(400 + seed, 4, 6)
+        live_policy, replay_policy = _Recording(16), _Recording(16)
+        live = ddtree_generate(target, draft, p, max_new_tokens=n, stop_token_ids=stops, policy=live_policy)
+        ids = torch.cat([p[0], torch.tensor(live.new_token_ids)])
+        got = replay(target, draft, replay_policy, ids, p.shape[1], n, stops)
+        assert got.acceptance_lengths == live.acceptance_lengths
+        assert live_policy.seen == replay_policy.seen
+        for path, committed in zip(live_policy.seen, live.acceptance_lengths):
+            assert len(path) <= committed  # never a node past the cut

@@ -33,6 +33,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from ..files import write_text_atomic
 from ..model import DFlashDraftModel, load_draft
 from .config import PRESETS, DataConfig, DraftSpec, TrainConfig, make_draft_config
 from .evaluate import benchmark_tau, tau_evaluator
@@ -138,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if distributed:
             dist.barrier()
         if rank == 0:
-            marker.write_text(json.dumps({"seconds": time.perf_counter() - t0}) + "\n")
+            write_text_atomic(marker, json.dumps({"seconds": time.perf_counter() - t0}) + "\n")
     if a.stage == "data":
         return
     samples = []
@@ -182,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                    "final_loss_last50": sum(h["loss"] for h in tail) / max(1, len(tail)),
                    "best_eval_tau": state.best_tau, "sequences": len(sequences), "response_tokens": n_tokens,
                    "options": opts, "total_minutes": (time.perf_counter() - t0) / 60}
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_text_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
         if a.export:
             export_drafter(final, a.export, log)
         if opts.get("bench_prompts"):
@@ -190,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             summary["benchmark_tau"] = benchmark_tau(
                 target, final_draft, tokenizer, stops, ("gsm8k", "math500", "humaneval", "mt-bench"),
                 opts["bench_prompts"], 256, log)
-            (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            write_text_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
         log(f"done: {json.dumps(summary)}")
     if distributed:
         dist.destroy_process_group()

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ..files import write_text_atomic
 from ..model import DFlashDraftModel, load_draft
 from .config import DraftSpec, TrainConfig, make_draft_config
 from .corpus import build_draft_vocab, load_corpus, vocab_coverage
@@ -175,9 +176,7 @@ def main(argv=None) -> None:
                "options": vars(a), "total_minutes": (time.perf_counter() - t0) / 60,
                "history": [{k: h[k] for k in h if k in ("step", "loss", "acc1", "tau")} for h in state.history
                            if h["step"] % 25 == 0 or "tau" in h]}
-    tmp = out / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=1) + "\n")
-    tmp.replace(out / "summary.json")
+    write_text_atomic(out / "summary.json", json.dumps(summary, indent=1) + "\n")
     if a.export:
         export_drafter(final, a.export, log)
     log(f"done: steps {state.step}, loss {summary['final_loss_last50']:.4f}, best tau {state.best_tau:.3f}")

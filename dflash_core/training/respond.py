@@ -43,9 +43,18 @@ def load_samples(path: str | Path) -> list[dict]:
         for line in f:
             try:
                 out.append(json.loads(line))
-            except json.JSONDecodeError:  # a line cut off by an interruption
-                break
+            except json.JSONDecodeError:  # a line cut off by an interruption: skipped, the later ones still count
+                continue
     return out
+
+
+def _end_with_newline(path: Path) -> None:
+    """An interrupted run may leave a cut-off last line: end it, so the next appended sample starts a line."""
+    if path.is_file() and path.stat().st_size:
+        with open(path, "rb+") as f:
+            f.seek(-1, 2)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
 
 
 def _batches(items: list[tuple[PromptItem, list[int]]], batch_size: int) -> Iterator[list]:
@@ -82,6 +91,7 @@ def generate_responses(target, tokenizer, prompts: list[PromptItem], out_path: s
     from tqdm import tqdm
 
     bar = tqdm(total=len(todo), desc="generate", unit="prompt", mininterval=10)
+    _end_with_newline(Path(out_path))
     with open(out_path, "a", encoding="utf-8") as f:
         for bi, batch in enumerate(_batches(todo, config.batch_size)):
             if config.time_budget_s is not None and time.perf_counter() - t0 > config.time_budget_s:

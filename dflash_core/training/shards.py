@@ -26,6 +26,8 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
+from ..files import atomic_write as _atomic
+
 __all__ = ["ShardSample", "write_shard", "read_shard_tokens", "read_shard_features", "list_shards",
            "done_prompt_keys", "target_fingerprint"]
 
@@ -45,12 +47,6 @@ def target_fingerprint(target) -> str:
     w = target.lm_head.weight
     h.update(w.detach()[:: max(1, w.shape[0] // 64), :64].float().cpu().numpy().tobytes())
     return h.hexdigest()[:16]
-
-
-def _atomic(path: Path, write) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    write(tmp)
-    os.replace(tmp, path)
 
 
 def write_shard(folder: str | Path, name: str, samples: Sequence[ShardSample], manifest: dict,
