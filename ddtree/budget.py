@@ -29,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import statistics
 import time
 from collections import deque
@@ -132,7 +131,10 @@ def _cost_key(target, draft, device: torch.device, dtype: torch.dtype) -> str:
     from dflash_core.cpu_kernels import active_kernels
 
     cfg = target.config
+    from dflash_core.timing import machine_identity
+
     ident = {
+        **(machine_identity() if device.type == "cpu" else {}),
         "device": _device_name(device), "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "dtype": str(dtype), "model": getattr(cfg, "_name_or_path", ""), "type": cfg.model_type,
         "shape": [cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size, cfg.intermediate_size],
@@ -191,10 +193,11 @@ def measure_cost_model(target, draft, grid: tuple[int, ...] | None = None, conte
         grid = (0, 1, 2, 4, 8, 16, 32, 48, 64, 96, 128) + ((192, 256, 384, 512, 768, 1024) if device.type == "cuda" else ())
     key = _cost_key(target, draft, device, dtype)
     path = _cost_cache_dir() / f"{key}-ctx{context}-cap{cap}.json"
-    if use_cache and path.is_file():
-        model = CostModel.from_json(json.loads(path.read_text()))
-        if tuple(model.nodes) == tuple(grid):
-            return model
+    from dflash_core.timing import read_cached_json, write_cached_json
+
+    model = read_cached_json(path, CostModel.from_json) if use_cache else None
+    if model is not None and tuple(model.nodes) == tuple(grid):
+        return model
     vocab = adapter.vocab_size
     rows = max(draft.block_size - 1 if draft is not None else 15, 1)
     gen = torch.Generator().manual_seed(0)
@@ -245,10 +248,7 @@ def measure_cost_model(target, draft, grid: tuple[int, ...] | None = None, conte
         fixed = median_seconds(draft_round, repeats, device)
     model = CostModel(tuple(grid), tuple(verify), fixed, key, context)
     if use_cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(model.to_json(), indent=1))
-        tmp.replace(path)
+        write_cached_json(path, model.to_json())
     return model
 
 

@@ -10,7 +10,10 @@ a copy of the weight reordered once (``torch.ops.mkldnn``). ``python -m experime
 kernels on the machine at hand; ``python -m experiments.profile_round --kernels packed`` the effect on whole rounds.
 
 For inference: a module falls back to ``F.linear`` whenever autograd is recording, the input is not on the CPU or not
-in the weight's dtype; the packed copy is rebuilt when the weight changes (in place or replaced).
+in the weight's dtype, or oneDNN on this CPU has no kernel for that dtype (bf16 without avx512_bf16/AMX, fp16 without
+avx512_fp16/AMX-FP16). The packed copy is rebuilt when the weight is replaced or changed in place through autograd's
+view of it (``weight.mul_``, ``weight.copy_``, an optimizer step: they bump its version); an edit through
+``weight.data`` bypasses that counter and is not seen: call :func:`refresh_packed` after one.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["PackedLinear", "packed_kernels_available", "pack_linear_layers", "unpack_linear_layers",
+__all__ = ["PackedLinear", "packed_kernels_available", "pack_linear_layers", "unpack_linear_layers", "refresh_packed",
            "kernels_from_env", "apply_cpu_kernels", "choose_cpu_kernels", "active_kernels", "set_packed_enabled",
            "KERNEL_CHOICES"]
 
@@ -46,14 +49,28 @@ def active_kernels(model: nn.Module | None) -> str:
     return "packed" if any(isinstance(m, PackedLinear) for m in model.modules()) else "torch"
 
 
-def packed_kernels_available() -> bool:
-    """Whether this torch build has oneDNN's packed linear (x86 CPU builds with MKL-DNN)."""
+def packed_kernels_available(dtype: torch.dtype | None = None) -> bool:
+    """Whether this torch build has oneDNN's packed linear (x86 CPU builds with MKL-DNN) and, for ``dtype``, whether
+    oneDNN has a kernel for it on this CPU (fp32 always; bf16 and fp16 only with the matching instructions)."""
     ops = getattr(torch.ops, "mkldnn", None)
     try:
-        return (torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise")
-                and hasattr(ops, "_reorder_linear_weight"))
+        if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise")
+                and hasattr(ops, "_reorder_linear_weight")):
+            return False
+        if dtype == torch.bfloat16:
+            return bool(ops._is_mkldnn_bf16_supported())
+        if dtype == torch.float16:
+            return bool(ops._is_mkldnn_fp16_supported())
+        return dtype in (None, torch.float32)
     except (AttributeError, RuntimeError):
         return False
+
+
+def refresh_packed(model: nn.Module) -> None:
+    """Drop every packed copy in ``model`` (rebuilt at the next forward): needed after edits through ``weight.data``."""
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            m._packed = m._packed_version = None
 
 
 class PackedLinear(nn.Module):
@@ -92,13 +109,15 @@ class PackedLinear(nn.Module):
 def pack_linear_layers(model: nn.Module, rows_hint: int = _ROWS_HINT) -> int:
     """Replace every ``nn.Linear`` of ``model`` (on the CPU) by a :class:`PackedLinear`; returns how many.
 
-    Nothing is replaced (0) when the torch build lacks oneDNN's packed linear."""
+    Nothing is replaced (0) when the torch build lacks oneDNN's packed linear, and no layer whose dtype oneDNN cannot
+    multiply on this CPU (bf16 on a CPU without bf16 instructions) is replaced."""
     if not packed_kernels_available():
         return 0
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.weight.device.type == "cpu":
+            if (type(child) is nn.Linear and child.weight.device.type == "cpu"
+                    and packed_kernels_available(child.weight.dtype)):
                 setattr(parent, name, PackedLinear(child, rows_hint))
                 count += 1
     return count
@@ -127,11 +146,10 @@ def kernels_from_env(default: str = "torch") -> str:
 
 
 def _kernel_cache_path(target) -> Path:
-    from .timing import cache_root, cpu_model
+    from .timing import cache_root, machine_identity
 
     cfg = target.config
-    ident = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "dtype": str(target.dtype),
-             "torch": torch.__version__, "type": cfg.model_type,
+    ident = {**machine_identity(), "dtype": str(target.dtype), "type": cfg.model_type,
              "shape": [cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size, cfg.intermediate_size]}
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     return cache_root() / "kernels" / f"{key}.json"
@@ -174,11 +192,15 @@ def choose_cpu_kernels(target, use_cache: bool = True, margin: float = 0.03) -> 
     """``packed`` when packed layers make the target's 1-, 8- and 32-token forwards faster in total by at least
     ``margin`` on this machine, else ``torch``. Measured once per machine, thread count, dtype, torch and model
     shape (about a second), then read from ``$XDG_CACHE_HOME/ddtree/kernels``. The target is left unpacked."""
-    if not packed_kernels_available() or target.lm_head.weight.device.type != "cpu":
+    if not packed_kernels_available(target.lm_head.weight.dtype) or target.lm_head.weight.device.type != "cpu":
         return "torch"
+    from .timing import read_cached_json, write_cached_json
+
     path = _kernel_cache_path(target)
-    if use_cache and path.is_file():
-        return json.loads(path.read_text())["choice"]
+    cached = read_cached_json(path, lambda raw: raw["choice"] if raw["choice"] in ("torch", "packed") else None) \
+        if use_cache else None
+    if cached is not None:
+        return cached
     try:
         ms = measure_kernels(target)
     finally:
@@ -186,10 +208,7 @@ def choose_cpu_kernels(target, use_cache: bool = True, margin: float = 0.03) -> 
     total = {k: sum(v.values()) for k, v in ms.items()}
     choice = "packed" if total["packed"] < (1 - margin) * total["torch"] else "torch"
     if use_cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"choice": choice, "ms": ms}, indent=1))
-        tmp.replace(path)
+        write_cached_json(path, {"choice": choice, "ms": ms})
     return choice
 
 

@@ -11,7 +11,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["StageTimer", "cpu_model", "cache_root"]
+__all__ = ["StageTimer", "cpu_model", "cache_root", "machine_identity", "read_cached_json", "write_cached_json"]
 
 
 def cache_root() -> Path:
@@ -20,6 +20,44 @@ def cache_root() -> Path:
     base = os.environ.get("DDTREE_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ddtree")
     return Path(base)
+
+
+# environment variables that change which CPU kernels run, hence every measured speed
+SPEED_ENVIRONMENT = ("MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA",
+                     "ONEDNN_DEFAULT_FPMATH_MODE", "DDTREE_CPU_KERNELS")
+
+
+def machine_identity() -> dict:
+    """What a measured speed depends on besides the model: CPU model, threads, torch version and the kernel-selecting
+    environment variables (a cache keyed by it is never reused under another ``MKL_CBWR``, say)."""
+    return {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "env": {k: os.environ[k] for k in SPEED_ENVIRONMENT if k in os.environ}}
+
+
+def read_cached_json(path: Path, check=None):
+    """A cache file's JSON (or ``check(raw)``'s result), or None when it is missing or damaged: a damaged file (cut
+    off, edited, an older format) is removed with a warning, and the caller measures again."""
+    import json
+    import warnings
+
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+        return check(raw) if check is not None else raw
+    except (ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError) as err:
+        warnings.warn(f"ignoring the damaged cache file {path} ({type(err).__name__}: {err}); measuring again",
+                      stacklevel=2)
+        path.unlink(missing_ok=True)
+        return None
+
+
+def write_cached_json(path: Path, obj) -> None:
+    import json
+
+    from .files import write_text_atomic
+
+    write_text_atomic(path, json.dumps(obj, indent=1))
 
 
 class StageTimer:

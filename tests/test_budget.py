@@ -87,6 +87,11 @@ def test_auto_budget_is_lossless_and_measures_a_monotone_cost(monkeypatch, tmp_p
     assert list(cost.verify_s) == sorted(cost.verify_s) and cost.fixed_s > 0
     assert measure_cost_model(target, draft, grid=(0, 1, 4, 16), context=32) == cost  # read back from the cache
     assert len(list((tmp_path / "costs").glob("*.json"))) == 1
+    (cached,) = (tmp_path / "costs").glob("*.json")
+    cached.write_text('{"nodes": [0, 1, 4, 16], "verify_s": [0.1')  # damaged: cut off mid-write by another tool
+    with pytest.warns(UserWarning, match="damaged cache file"):
+        again = measure_cost_model(target, draft, grid=(0, 1, 4, 16), context=32, repeats=1)
+    assert again.nodes == cost.nodes and cached.is_file()  # measured again and rewritten whole
     for seed in range(3):
         p = prompt(40 + seed, 6, 64)
         ref = autoregressive_generate(target, p, max_new_tokens=32).new_token_ids

@@ -17,7 +17,8 @@ needs_packed = pytest.mark.skipif(not packed_kernels_available(), reason="torch 
 
 
 @needs_packed
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not packed_kernels_available(torch.bfloat16), reason="oneDNN has no bf16 kernel on this CPU"))])
 def test_packed_model_matches_and_decodes_losslessly(family, dtype):
     target = make_target(family, vocab=64, dtype=dtype)
     draft = make_draft(target, block_size=5)
@@ -85,3 +86,50 @@ def test_auto_choice_is_measured_once_and_cached(monkeypatch, tmp_path):
     monkeypatch.setattr("dflash_core.cpu_kernels.measure_kernels", lambda *a, **k: pytest.fail("not cached"))
     assert choose_cpu_kernels(target) == choice
     assert apply_cpu_kernels(target, None, kernels="auto") == choice == active_kernels(target)
+
+
+@needs_packed
+def test_an_edit_through_weight_data_needs_refresh_packed():
+    from dflash_core.cpu_kernels import refresh_packed
+
+    lin = torch.nn.Linear(8, 5)
+    model = torch.nn.Sequential(lin)
+    pack_linear_layers(model)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        before = model(x)
+        lin.weight.data.mul_(3.0)  # bypasses the version counter the packed copy is keyed by
+        assert torch.allclose(model(x), before)  # stale: documented
+        refresh_packed(model)
+        assert torch.allclose(model(x), torch.nn.functional.linear(x, lin.weight, lin.bias), atol=1e-5)
+
+
+def test_a_cpu_without_bf16_kernels_keeps_bf16_layers_plain(monkeypatch):
+    """On a CPU where oneDNN has no bf16 kernel, bf16 layers are never packed and ``auto`` picks torch without
+    measuring (a packed bf16 forward would raise there)."""
+    from dflash_core import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "packed_kernels_available", lambda dtype=None: dtype in (None, torch.float32))
+    monkeypatch.setattr(cpu_kernels, "measure_kernels", lambda *a, **k: pytest.fail("measured"))
+    target = make_target("llama", vocab=64, dtype=torch.bfloat16)
+    assert cpu_kernels.pack_linear_layers(target) == 0
+    assert cpu_kernels.apply_cpu_kernels(target, kernels="auto") == "torch" == active_kernels(target)
+
+
+@needs_packed
+def test_kernel_cache_is_keyed_by_the_speed_environment_and_survives_damage(monkeypatch, tmp_path):
+    from dflash_core import cpu_kernels
+
+    monkeypatch.setenv("DDTREE_CACHE", str(tmp_path))
+    monkeypatch.delenv("MKL_CBWR", raising=False)
+    target = make_target("llama", vocab=64, dtype=torch.float32)
+    plain = cpu_kernels._kernel_cache_path(target)
+    monkeypatch.setenv("MKL_CBWR", "AVX2")
+    assert cpu_kernels._kernel_cache_path(target) != plain  # another kernel choice: another cache entry
+    path = cpu_kernels._kernel_cache_path(target)
+    path.parent.mkdir(parents=True)
+    path.write_text('{"choice": "pa')  # cut off
+    monkeypatch.setattr(cpu_kernels, "measure_kernels", lambda *a, **k: {"torch": {1: 1.0}, "packed": {1: 2.0}})
+    with pytest.warns(UserWarning, match="damaged cache file"):
+        assert cpu_kernels.choose_cpu_kernels(target) == "torch"
+    assert cpu_kernels.choose_cpu_kernels(target) == "torch"  # rewritten whole
