@@ -65,6 +65,19 @@ def protocol_evaluator(target, tokenizer, stops, reference: Path, max_new_tokens
     return evaluate
 
 
+def paired_change(before: dict, after: dict, budget: str) -> dict:
+    """Per-prompt paired change of tau between two evaluations (their ``per_prompt`` tokens and rounds) for one
+    budget (``chain`` or ``32``): mean, bootstrap 95% interval, prompts better / worse."""
+    from .schema import bootstrap_ci
+
+    keys = sorted(k for k in before["per_prompt"] if k.endswith(f"/{budget}") and k in after["per_prompt"])
+    diffs = [after["per_prompt"][k][0] / after["per_prompt"][k][1] - before["per_prompt"][k][0] / before["per_prompt"][k][1]
+             for k in keys]
+    lo, hi = bootstrap_ci(diffs)
+    return {"mean": sum(diffs) / max(1, len(diffs)), "ci95": [lo, hi], "prompts": len(diffs),
+            "better": sum(d > 0 for d in diffs), "worse": sum(d < 0 for d in diffs)}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m experiments.drafter_stream", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
@@ -142,6 +155,10 @@ def main(argv=None) -> None:
            "tau_start": {k: evals[0][k] for k in ("tau_chain", "tau_b32")} if evals else None,
            "tau_end": {k: evals[-1][k] for k in ("tau_chain", "tau_b32")} if evals else None,
            "corpus_dropped_items": stream.stats["dropped"]}
+    if len(evals) >= 2:  # paired per prompt, the run's drafter against the one it started from
+        run["tau_change"] = {b: paired_change(evals[0], evals[-1], b) for b in ("chain", "32")}
+        # not worse: the mean paired change is >= 0 for both the chain and the B=32 tree
+        run["not_worse_than_init"] = all(c["mean"] >= 0 for c in run["tau_change"].values())
     curve = prior.get("curve", []) + [{"run": run_id, "tokens": base + h["tokens"], "tau_chain": h["tau_chain"],
                                        "tau_b32": h["tau_b32"]} for h in evals]
     new_log = {**prior, "corpus_fingerprint": manifest["fingerprint"], "corpus": manifest["sources"],

@@ -278,6 +278,24 @@ def completed_keys(path: str | os.PathLike) -> set[tuple]:
     return {r.record_key() for r in read_records(path)} if path.exists() else set()
 
 
+def bootstrap_ci(values: list[float], statistic=None, level: float = 0.95, resamples: int = 2000,
+                 seed: int = 0) -> tuple[float, float] | tuple[None, None]:
+    """Percentile-bootstrap interval of ``statistic`` (default: the mean) of ``values``, with a fixed seed (the same
+    values give the same interval). One value gives a zero-width interval; none gives (None, None)."""
+    import random
+    import statistics
+
+    statistic = statistic or statistics.fmean
+    if not values:
+        return None, None
+    if len(values) == 1:
+        return values[0], values[0]
+    rng = random.Random(seed)
+    stats = sorted(statistic(rng.choices(values, k=len(values))) for _ in range(resamples))
+    tail = (1 - level) / 2
+    return stats[int(tail * (resamples - 1))], stats[int(round((1 - tail) * (resamples - 1)))]
+
+
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     """Write JSON atomically (:func:`write_text_atomic`)."""
     write_text_atomic(path, json.dumps(obj, indent=2, default=_plain, allow_nan=False, ensure_ascii=False) + "\n")

@@ -17,14 +17,13 @@ Per (dataset, temperature) and method variant (method, policy, budget, tree kind
 from __future__ import annotations
 
 import dataclasses
-import random
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable
 
 from experiments.schema import (
-    EXTRA_TREE_SIZES, METHODS, TREE_KINDS, SampleRecord, dataset_sort_key, method_label, tree_kind,
+    EXTRA_TREE_SIZES, METHODS, TREE_KINDS, SampleRecord, bootstrap_ci, dataset_sort_key, method_label, tree_kind,
 )
 
 ORACLE_LABEL = "DDTree (oracle budget)"
@@ -114,15 +113,7 @@ def bootstrap_median_ci(values: list[float], level: float = 0.95, resamples: int
                         seed: int = 0) -> tuple[float, float] | tuple[None, None]:
     """Percentile-bootstrap interval of the median of ``values`` (fixed seed: the same records give the same
     interval). One value gives a zero-width interval; none gives (None, None)."""
-    if not values:
-        return None, None
-    if len(values) == 1:
-        return values[0], values[0]
-    rng = random.Random(seed)
-    n = len(values)
-    medians = sorted(statistics.median(rng.choices(values, k=n)) for _ in range(resamples))
-    tail = (1 - level) / 2
-    return medians[int(tail * (resamples - 1))], medians[int(round((1 - tail) * (resamples - 1)))]
+    return bootstrap_ci(values, statistics.median, level, resamples, seed)
 
 
 def acceptance_by_depth(lengths: Iterable[int]) -> tuple[float, ...]:

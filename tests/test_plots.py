@@ -1,5 +1,6 @@
 """Figures and tables from a small fixture of records, with hand-computed speedups and τ."""
 
+import math
 import subprocess
 import sys
 import warnings
@@ -260,3 +261,32 @@ def test_policy_table_against_the_oracle():
     assert cells[2] == "1.00 (B=32)" and cells[3] == "0.80 (B=8)"  # gsm8k, then math500 (the papers' order)
     assert cells[4] == "0.900" and cells[5] == "0.80"
     assert policy_table([r for r in recs if r.budget != "auto"]) == ""
+
+
+def test_scaling_fit_recovers_a_log_linear_curve_and_projects_the_goal(tmp_path):
+    from plots.scaling import fit_log_linear, plot_scaling, scaling_summary, tokens_for
+
+    tokens = [1e6, 3e6, 1e7, 3e7]
+    taus = [1.5 + 0.4 * math.log10(t / 1e6) for t in tokens]
+    a, b = fit_log_linear(tokens, taus)
+    assert b == pytest.approx(0.4) and a == pytest.approx(1.5 - 0.4 * 6)
+    assert tokens_for((a, b), 2.3) == pytest.approx(1e8)
+    assert tokens_for((a, -0.1), 9.0) is None and fit_log_linear([5e6, 5e6], [1.0, 2.0]) is None
+    log = {"curve": [{"tokens": t, "tau_chain": y, "tau_b32": y + 0.7} for t, y in zip(tokens, taus)],
+           "runs": [{"end_to_end_response_tokens_per_s": 500.0}]}
+    summary = scaling_summary(log, {"tau_chain": 2.3})
+    assert summary["tau_chain"]["more_tokens"] == pytest.approx(1e8 - 3e7)
+    assert summary["tau_chain"]["cpu_hours"] == pytest.approx((1e8 - 3e7) / 500 / 3600)
+    assert plot_scaling(log, tmp_path / "s.png").stat().st_size > 1000
+
+
+def test_paired_tau_change_between_two_evaluations():
+    from experiments.drafter_stream import paired_change
+
+    before = {"per_prompt": {"a/1/chain": [10, 5], "b/2/chain": [12, 6], "c/3/chain": [9, 9], "a/1/32": [10, 4]}}
+    after = {"per_prompt": {"a/1/chain": [10, 4], "b/2/chain": [12, 6], "c/3/chain": [9, 8], "a/1/32": [10, 4]}}
+    got = paired_change(before, after, "chain")
+    assert got["prompts"] == 3 and got["better"] == 2 and got["worse"] == 0
+    assert got["mean"] == pytest.approx(((2.5 - 2.0) + 0 + (9 / 8 - 1)) / 3)
+    assert got["ci95"][0] <= got["mean"] <= got["ci95"][1]
+    assert paired_change(before, after, "32")["mean"] == 0

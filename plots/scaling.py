@@ -1,0 +1,104 @@
+"""The drafter's scaling curve: tau against training tokens seen, from a training log, with a log-linear projection.
+
+    python -m plots.scaling --log dflash_core/zoo/smollm2-135m-dflash/training_log.json --out scaling.png
+
+The log (written by ``python -m experiments.drafter_stream``) holds ``curve``: fixed-protocol evaluations with the
+cumulative response tokens the drafter had trained on (``tokens_before_log`` counts what earlier recipes fed it).
+The projection fits tau = a + b * log10(tokens) to the points and solves for a goal; it says how many tokens the trend
+needs, not that the trend holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+__all__ = ["fit_log_linear", "tokens_for", "scaling_summary", "plot_scaling"]
+
+
+def fit_log_linear(tokens: list[float], taus: list[float]) -> tuple[float, float] | None:
+    """Least-squares (a, b) of tau = a + b * log10(tokens); None with fewer than two distinct token counts."""
+    pts = [(math.log10(t), y) for t, y in zip(tokens, taus) if t > 0]
+    xs = [x for x, _ in pts]
+    if len(set(xs)) < 2:
+        return None
+    mx, my = sum(xs) / len(xs), sum(y for _, y in pts) / len(pts)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in pts) / sxx
+    return my - b * mx, b
+
+
+def tokens_for(fit: tuple[float, float] | None, goal: float) -> float | None:
+    """Tokens at which the fitted line reaches ``goal`` (None when it does not rise)."""
+    if fit is None or fit[1] <= 0:
+        return None
+    return 10 ** ((goal - fit[0]) / fit[1])
+
+
+def scaling_summary(log: dict, goals: dict[str, float] | None = None) -> dict:
+    """Per tau kind: the fit, the tokens the goal needs, and the CPU hours that takes at the last run's rate."""
+    goals = goals or {"tau_chain": 2.5, "tau_b32": 3.3}
+    curve = log.get("curve", [])
+    runs = log.get("runs", [])
+    rate = runs[-1].get("end_to_end_response_tokens_per_s") if runs else None
+    out = {}
+    for kind, goal in goals.items():
+        fit = fit_log_linear([p["tokens"] for p in curve], [p[kind] for p in curve])
+        need = tokens_for(fit, goal)
+        last = max((p["tokens"] for p in curve), default=0)
+        out[kind] = {"fit": fit, "goal": goal, "tokens_needed": need,
+                     "more_tokens": None if need is None else max(0.0, need - last),
+                     "cpu_hours": None if need is None or not rate else max(0.0, need - last) / rate / 3600}
+    return out
+
+
+def plot_scaling(log: dict, out: str | Path, title: str = "") -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curve = log.get("curve", [])
+    summary = scaling_summary(log)
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for kind, color, label in (("tau_chain", "tab:blue", "DFlash chain"), ("tau_b32", "tab:orange", "DDTree B=32")):
+        pts = sorted((p["tokens"], p[kind]) for p in curve if p["tokens"] > 0)
+        if not pts:
+            continue
+        ax.plot([t for t, _ in pts], [y for _, y in pts], "o-", color=color, label=label, markersize=4)
+        fit, goal = summary[kind]["fit"], summary[kind]["goal"]
+        ax.axhline(goal, color=color, linestyle=":", linewidth=1)
+        if fit is not None and fit[1] > 0:
+            lo, hi = pts[0][0], max(pts[-1][0], summary[kind]["tokens_needed"] or pts[-1][0])
+            xs = [lo * (hi / lo) ** (i / 40) for i in range(41)]
+            ax.plot(xs, [fit[0] + fit[1] * math.log10(x) for x in xs], "--", color=color, linewidth=1,
+                    label=f"{label} fit (goal {goal} at {summary[kind]['tokens_needed']:.2g} tokens)")
+    ax.set_xscale("log")
+    ax.set_xlabel("training response tokens seen (cumulative, all runs)")
+    ax.set_ylabel("tau (fixed protocol, replayed)")
+    ax.set_title(title or "Drafter scaling curve")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m plots.scaling", description=__doc__.split("\n\n")[0])
+    p.add_argument("--log", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--title", default="")
+    a = p.parse_args(argv)
+    log = json.loads(Path(a.log).read_text())
+    print(f"wrote {plot_scaling(log, a.out, a.title)}")
+    print(json.dumps(scaling_summary(log), indent=1))
+
+
+if __name__ == "__main__":
+    main()
