@@ -183,7 +183,7 @@ def measure_cost_model(target, draft, grid: tuple[int, ...] | None = None, conte
     ``$XDG_CACHE_HOME/ddtree/costs``.
     """
     from dflash_core import TargetAdapter
-    from dflash_core.decoding import compile_proposal, verify_walk
+    from dflash_core.decoding import commit_path, draft_block, draft_states, verify_proposal, verify_walk
     from dflash_core.model import DraftCache
 
     adapter = TargetAdapter(target, draft.config.target_layer_ids if draft is not None else ())
@@ -209,40 +209,32 @@ def measure_cost_model(target, draft, grid: tuple[int, ...] | None = None, conte
         tree = truncate_tree(build_tree(torch.randn(rows, vocab, generator=gen) * 3, max(cap, n)), n)
         root = int(torch.randint(0, vocab, (1,), generator=gen))
         deepest = int(tree.depths.argmax()) if len(tree) else -1
-        path_nodes = []
+        accepted = []
         while deepest >= 0:  # an accepted path that is not a prefix, so compaction really gathers
-            path_nodes.append(deepest)
+            accepted.insert(0, deepest)
             deepest = int(tree.parents[deepest])
-        keep = torch.tensor([0] + [i + 1 for i in reversed(path_nodes)], dtype=torch.long)
 
-        def run():
-            ids, pos, vis = compile_proposal(tree, root, context)
-            out = adapter.forward(ids, pos, cache, visibility=vis, with_features=draft is not None)
+        def run():  # the loop's verify and commit steps, then back to the measured context
+            out = verify_proposal(adapter, cache, tree, root, context, with_features=draft is not None)
             verify_walk(tree, out.logits, 0.0, None)
-            adapter.compact(cache, context, keep)
-            if out.features is not None:
-                out.features[keep.to(device)]  # the drafter's next context
+            commit_path(adapter, cache, context, accepted, out.features)
             adapter.crop(cache, context)
 
         run()  # warm-up for this shape
         verify.append(median_seconds(run, repeats, device))
     fixed = 0.0
     if draft is not None:
-        b = draft.block_size
         feats = adapter.forward(torch.randint(0, vocab, (context,), generator=gen), torch.arange(context),
                                 adapter.new_cache()).features
-        draft_param = next(draft.parameters())
         policy = AutoBudget(CostModel((0, 1), (1.0, 1.0), 0.0), cap=cap, calibrate=False)  # any curve: timed, not used
-        new = min(16, context)  # a round adds the accepted tokens' features to the drafter's cache
+        new = min(4, context - 1)  # a steady round: a few newly committed tokens join the drafter's cache
+        dcache = DraftCache()
+        draft_states(draft, adapter, 0, feats[: context - new], context - new, dcache)  # the context before them
+        root = int(torch.randint(0, vocab, (1,), generator=gen))
 
-        def draft_round():
-            dcache = DraftCache()
-            block = adapter.embed(torch.randint(0, vocab, (b,), generator=gen))[None]
-            where = draft_param.device
-            hidden = draft(block.to(where, draft_param.dtype), feats[None][:, -new:].to(where),
-                           torch.arange(context, context + b, device=where),
-                           torch.arange(context - new, context, device=where), cache=dcache)
-            policy.propose(adapter.lm_head(hidden[0, 1:], draft), [])
+        def draft_round():  # the loop's draft step and the policy's tree
+            policy.propose(draft_block(draft, adapter, root, feats[context - new:], context, dcache), [])
+            dcache.crop(context - new)
 
         draft_round()
         fixed = median_seconds(draft_round, repeats, device)

@@ -32,6 +32,7 @@ from .timing import StageTimer
 __all__ = [
     "GenerationResult", "Proposal", "ProposalPolicy", "NoDraft", "Chain", "ChainProposal",
     "compile_proposal", "follow", "speculative_generate", "autoregressive_generate", "dflash_generate",
+    "draft_states", "draft_block", "verify_proposal", "commit_path", "truncate_at_stop", "validate_request",
 ]
 
 
@@ -249,6 +250,53 @@ def _first_token(logits: torch.Tensor, temperature: float, generator: torch.Gene
     return follow(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), logits, temperature, generator)[1]
 
 
+# ---------------------------------------------------------------------------------------------------- one round
+# The three steps of a round, shared by the decode loop, the cost measurement of ``budget="auto"``, the round profiler
+# and the GPU check, so that what they time is what the loop runs.
+def draft_states(draft: DFlashDraftModel, adapter: TargetAdapter, root: int, pending: torch.Tensor, start: int,
+                 draft_cache: DraftCache, block_size: int | None = None) -> torch.Tensor:
+    """[b, hidden] drafter output states for the block [root, MASK x (b-1)] at positions start..start+b-1
+    (b: ``block_size``, default the drafter's own; a drafter trained on blocks of 16 also drafts shorter ones).
+
+    ``pending`` [m, taps*hidden]: target features of the committed positions the draft cache does not hold yet
+    (``draft_cache.length`` .. start-1); they join it. The block's own keys are dropped again by the draft cache.
+    """
+    device = adapter.device
+    param = next(draft.parameters())  # the drafter may sit on another GPU than the target's head
+    b = block_size or draft.block_size
+    block_ids = torch.full((b,), draft.mask_token_id, dtype=torch.long, device=device)
+    block_ids[0] = root
+    hidden = draft(adapter.embed(block_ids)[None].to(param.device, param.dtype), pending[None].to(param.device),
+                   torch.arange(start, start + b, device=param.device),
+                   torch.arange(draft_cache.length, start, device=param.device), cache=draft_cache)  # [1, b, H]
+    return hidden[0]
+
+
+def draft_block(draft: DFlashDraftModel, adapter: TargetAdapter, root: int, pending: torch.Tensor, start: int,
+                draft_cache: DraftCache, block_size: int | None = None) -> torch.Tensor:
+    """Step 1, draft: [b-1, V] float32 logits from one drafter pass; row d-1 drafts the token at depth d (tokens
+    outside a reduced draft vocabulary get -inf)."""
+    return adapter.lm_head(draft_states(draft, adapter, root, pending, start, draft_cache, block_size)[1:], draft)
+
+
+def verify_proposal(adapter: TargetAdapter, cache, proposal: Proposal, root: int, start: int,
+                    with_features: bool):
+    """Step 2, verify: one target forward over root + the proposal's nodes on top of the ``start`` cached tokens,
+    each node seeing only its ancestors. Returns the adapter's output (logits [n+1, V], features when asked)."""
+    ids, positions, visibility = compile_proposal(proposal, root, start)
+    return adapter.forward(ids, positions, cache, visibility=visibility, with_features=with_features)
+
+
+def commit_path(adapter: TargetAdapter, cache, start: int, path: list[int],
+                features: torch.Tensor | None) -> tuple[int, torch.Tensor | None]:
+    """Step 3, commit: keep the root and the accepted nodes in the target cache (compaction); returns the new cache
+    length and the kept positions' features (the drafter's next context, None without features)."""
+    keep = torch.tensor([0] + [i + 1 for i in path], dtype=torch.long)  # root + accepted nodes
+    adapter.compact(cache, start, keep)
+    return start + len(keep), None if features is None else features[keep.to(features.device)]
+
+
+# ---------------------------------------------------------------------------------------------------- the loop
 @torch.inference_mode()
 def speculative_generate(
     target,
@@ -263,75 +311,42 @@ def speculative_generate(
     trace: bool = False,
 ) -> GenerationResult:
     """Generate with ``policy`` deciding each round's draft tree. See the module docstring for why it is lossless."""
-    validate_request(input_ids, max_new_tokens, temperature)
-    if policy.uses_draft:
-        if draft is None:
-            raise ValueError(f"policy {policy.name!r} needs a drafter; pass draft=...")
-        check_compatibility(target, draft)
-    adapter = TargetAdapter(target, draft.config.target_layer_ids if policy.uses_draft else ())
-    adapter.check_token_ids(input_ids)
-    _check_room(adapter, int(input_ids.shape[1]), max_new_tokens)
-    stops = _check_stop_ids(adapter, stop_token_ids)
-    device = adapter.device
-    b = block_size or (draft.block_size if policy.uses_draft else 1)
-    if policy.uses_draft and not 2 <= b:
-        raise ValueError(f"block_size must be >= 2, got {b}")
+    adapter, stops = _prepare(target, draft, input_ids, policy, max_new_tokens, temperature, stop_token_ids,
+                              block_size)
+    device, uses_draft = adapter.device, policy.uses_draft
     generator = torch.Generator(device=device).manual_seed(seed)
     timer = StageTimer(device)
     result = GenerationResult([], [], {}, int(input_ids.shape[1]), trees=[] if trace else None)
     if max_new_tokens == 0:
         result.timings = {"prefill": 0.0, "decode": 0.0}
         return result
-
-    # prefill: the prompt enters the target cache; its features become the drafter's first context
-    prompt = input_ids[0].to(device)
-    cache = adapter.new_cache()
-    with timer.stage("prefill"):
+    with timer.stage("prefill"):  # the prompt enters the target cache; its features are the drafter's first context
+        prompt, cache = input_ids[0].to(device), adapter.new_cache()
         out = adapter.forward(prompt, torch.arange(len(prompt), device=device), cache, last_only=True,
-                              with_features=policy.uses_draft)
+                              with_features=uses_draft)
         root = _first_token(out.logits, temperature, generator)
-    pending = out.features  # [m, n_taps * hidden] target features not yet in the draft cache
-    start = len(prompt)  # committed tokens already in the target cache (the root is not yet)
-    draft_cache = DraftCache()
+    pending, start, draft_cache = out.features, len(prompt), DraftCache()  # start: committed tokens in the cache
     result.new_token_ids.append(root)
     history = input_ids[0].tolist() + [root]
     done = root in stops or max_new_tokens <= 1
-    if policy.uses_draft:
-        # the drafter may sit on another GPU than the target's head (a target split with device_map="auto")
-        draft_device, draft_dtype = next(draft.parameters()).device, next(draft.parameters()).dtype
-        block_tail = torch.full((b - 1,), draft.mask_token_id, dtype=torch.long, device=device)
     observe = observer(policy)  # optional feedback hook: the nodes accepted this round
     t_loop = time.perf_counter()
-
     while not done:
         draft_logits = None
-        if policy.uses_draft:
+        if uses_draft:
             with timer.stage("draft"):
-                block_ids = torch.cat([torch.tensor([root], device=device), block_tail])  # [b]
-                hidden = draft(
-                    adapter.embed(block_ids)[None].to(draft_device, draft_dtype),
-                    pending[None].to(draft_device),
-                    torch.arange(start, start + b, device=draft_device),
-                    torch.arange(draft_cache.length, start, device=draft_device),
-                    cache=draft_cache,
-                )  # [1, b, hidden]
-                draft_logits = adapter.lm_head(hidden[0, 1:], draft)  # [b-1, V]: row d-1 drafts depth d
+                draft_logits = draft_block(draft, adapter, root, pending, start, draft_cache, block_size)  # [b-1, V]
         with timer.stage("tree"):
             proposal = policy.propose(draft_logits, history)
         with timer.stage("verify"):
-            verify_ids, positions, visibility = compile_proposal(proposal, root, start)
-            out = adapter.forward(verify_ids, positions, cache, visibility=visibility, with_features=policy.uses_draft)
+            out = verify_proposal(adapter, cache, proposal, root, start, with_features=uses_draft)
         with timer.stage("commit"):
             path, bonus = verify_walk(proposal, out.logits, temperature, generator)
             committed, done = truncate_at_stop([int(proposal.token_ids[i]) for i in path] + [bonus], stops,
                                                max_new_tokens - len(result.new_token_ids))
             if observe is not None:
                 observe(path[: len(committed)])  # the accepted nodes that were committed (a stop cuts the rest)
-            keep = torch.tensor([0] + [i + 1 for i in path], dtype=torch.long)  # root + accepted nodes
-            adapter.compact(cache, start, keep)
-            if policy.uses_draft:
-                pending = out.features[keep.to(device)]
-            start += len(keep)
+            start, pending = commit_path(adapter, cache, start, path, out.features)
             result.new_token_ids += committed
             history += committed
             result.acceptance_lengths.append(len(committed))
@@ -340,12 +355,25 @@ def speculative_generate(
             if trace:
                 result.trees.append(proposal)
             root = bonus
-
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    decode_s = time.perf_counter() - t_loop
-    result.timings = {**timer.totals(), "decode": decode_s}
+    result.timings = {**timer.totals(), "decode": time.perf_counter() - t_loop}
     return result
+
+
+def _prepare(target, draft, input_ids, policy, max_new_tokens, temperature, stop_token_ids, block_size):
+    """Validate a generation request; returns the target adapter and the set of stop ids."""
+    validate_request(input_ids, max_new_tokens, temperature)
+    if policy.uses_draft:
+        if draft is None:
+            raise ValueError(f"policy {policy.name!r} needs a drafter; pass draft=...")
+        check_compatibility(target, draft)
+        if not 2 <= (block_size or draft.block_size):
+            raise ValueError(f"block_size must be >= 2, got {block_size}")
+    adapter = TargetAdapter(target, draft.config.target_layer_ids if policy.uses_draft else ())
+    adapter.check_token_ids(input_ids)
+    _check_room(adapter, int(input_ids.shape[1]), max_new_tokens)
+    return adapter, _check_stop_ids(adapter, stop_token_ids)
 
 
 def autoregressive_generate(target, input_ids: torch.Tensor, max_new_tokens: int = 128, temperature: float = 0.0,

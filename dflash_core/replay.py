@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .blocks import block_attention_mask, block_inputs
 from .decoding import ProposalPolicy, observer, truncate_at_stop, verify_walk
 from .target import TargetAdapter
 
@@ -50,8 +51,6 @@ def draft_hidden_all_rounds(target, draft, ids: torch.Tensor, prompt_len: int, c
     ``ids[prompt_len + j]`` (context: target features of positions < prompt_len + j). One teacher-forced target pass,
     then drafter passes over ``chunk`` blocks at a time.
     """
-    from .training.blocks import block_attention_mask, block_inputs
-
     adapter = TargetAdapter(target, draft.config.target_layer_ids)
     device = adapter.device
     ids = ids.to(device)

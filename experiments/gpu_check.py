@@ -228,6 +228,7 @@ def draft_cost(target, draft, config: CheckConfig, device: torch.device) -> dict
     """Median ms of the drafter's block pass on a ``context``-token draft cache, the LM head, and tree building."""
     from ddtree import build_tree
     from dflash_core import TargetAdapter
+    from dflash_core.decoding import draft_states
     from dflash_core.model import DraftCache
 
     adapter = TargetAdapter(target, draft.config.target_layer_ids)
@@ -235,26 +236,23 @@ def draft_cost(target, draft, config: CheckConfig, device: torch.device) -> dict
     gen = torch.Generator().manual_seed(4)
     features = adapter.forward(torch.randint(0, vocab, (ctx + 4,), generator=gen), torch.arange(ctx + 4),
                                adapter.new_cache()).features  # [ctx + 4, taps * hidden]
-    block = adapter.embed(torch.randint(0, vocab, (b,), generator=gen).to(device))[None].to(adapter.dtype)
+    root = int(torch.randint(0, vocab, (1,), generator=gen))
     cache = DraftCache()
 
     def first_pass():  # the whole prompt's context enters the draft cache
         cache.crop(0)
-        draft(block, features[None, :ctx], torch.arange(ctx, ctx + b, device=device), torch.arange(ctx, device=device),
-              cache=cache)
+        draft_states(draft, adapter, root, features[:ctx], ctx, cache)
 
     prefill_ms = median_ms(first_pass, device, config.repeats, config.warmups)
     first_pass()
 
-    def steady_pass():  # a typical round: a few newly committed tokens join the context
-        draft(block, features[None, ctx:], torch.arange(ctx + 4, ctx + 4 + b, device=device),
-              torch.arange(ctx, ctx + 4, device=device), cache=cache)
+    def steady_pass():  # a typical round (the loop's draft step): a few newly committed tokens join the context
+        out = draft_states(draft, adapter, root, features[ctx:], ctx + 4, cache)
         cache.crop(ctx)
+        return out
 
     pass_ms = median_ms(steady_pass, device, config.repeats, config.warmups)
-    hidden = draft(block, features[None, ctx:], torch.arange(ctx + 4, ctx + 4 + b, device=device),
-                   torch.arange(ctx, ctx + 4, device=device), cache=cache)
-    cache.crop(ctx)
+    hidden = steady_pass()[None]
     head_ms = median_ms(lambda: adapter.lm_head(hidden[0, 1:], draft), device, config.repeats, config.warmups)
     logits = adapter.lm_head(hidden[0, 1:], draft)  # [b-1, V] on the device, as in the decode loop
     build_ms = {str(budget): median_ms(lambda budget=budget: build_tree(logits, budget), device, config.repeats,

@@ -45,29 +45,26 @@ def _load(pair: str, dtype_name: str):
 def draft_split_ms(target, draft, context: int = 200, repeats: int = 7) -> dict:
     """Median ms of one steady-state drafter pass: its layers (4 new context tokens + a block) and its LM head."""
     from dflash_core import TargetAdapter
+    from dflash_core.decoding import draft_states
     from dflash_core.model import DraftCache
 
     from ddtree.budget import median_seconds
 
     adapter = TargetAdapter(target, draft.config.target_layer_ids)
-    device, b = adapter.device, draft.block_size
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, adapter.vocab_size, (context + 4,), generator=g)
     feats = adapter.forward(ids, torch.arange(context + 4), adapter.new_cache()).features
-    dtype = next(draft.parameters()).dtype
-    block = adapter.embed(torch.full((b,), draft.mask_token_id, device=device))[None].to(dtype)
     cache = DraftCache()
-    draft(block, feats[None, :context], torch.arange(context, context + b), torch.arange(context), cache=cache)
+    draft_states(draft, adapter, 0, feats[:context], context, cache)  # the context enters the draft cache
 
-    def layers():
-        out = draft(block, feats[None, context:], torch.arange(context + 4, context + 4 + b),
-                    torch.arange(context, context + 4), cache=cache)
+    def layers():  # the loop's draft step without the head: 4 newly committed tokens join the context
+        out = draft_states(draft, adapter, int(ids[-1]), feats[context:], context + 4, cache)
         cache.crop(context)
         return out
 
     hidden = layers()
-    layers_s = median_seconds(layers, repeats, device)
-    head_s = median_seconds(lambda: adapter.lm_head(hidden[0, 1:], draft), repeats, device)
+    layers_s = median_seconds(layers, repeats, adapter.device)
+    head_s = median_seconds(lambda: adapter.lm_head(hidden[1:], draft), repeats, adapter.device)
     return {"layers_ms": 1000 * layers_s, "head_ms": 1000 * head_s,
             "draft_vocab": getattr(draft.config, "draft_vocab_size", None)}
 
