@@ -11,13 +11,15 @@ from .decoding import (
     follow,
     speculative_generate,
 )
+from .lookup import PromptLookup, lookup_generate
 from .model import DFlashDraftModel, DraftCache, load_draft
 from .target import IncompatibleModelError, TargetAdapter, check_compatibility
 
 __all__ = [
     "DFlashConfig", "DFlashDraftModel", "DraftCache", "GenerationResult", "IncompatibleModelError", "TargetAdapter",
     "Chain", "ChainProposal", "NoDraft", "autoregressive_generate", "build_target_layer_ids", "check_compatibility",
-    "dflash_generate", "follow", "load_default_pair", "load_draft", "speculative_generate",
+    "dflash_generate", "follow", "load_default_pair", "load_draft", "speculative_generate", "PromptLookup",
+    "lookup_generate",
 ]
 
 

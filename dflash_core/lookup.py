@@ -1,0 +1,100 @@
+"""Prompt-lookup decoding on the one loop: draft-free continuations found in the context.
+
+A text that copies from its input (editing given code, quoting, summarising) repeats n-grams of the prompt or of what
+it has already written. :class:`PromptLookup` matches the last n committed tokens (n from ``max_ngram`` down to 1)
+against everything before them and proposes the ``num_tokens`` tokens that followed the most recent earlier
+occurrence of the longest match, as a chain. The target verifies it like any proposal (sample-and-match), so the
+output is exactly the target's, greedy or sampled; no drafter runs.
+
+:class:`NgramIndex` keeps, for every n-gram of the context, where it last occurred, and is updated as tokens are
+committed: O(max_ngram) dictionary updates per token, no rescan of the context per round.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .decoding import ChainProposal, GenerationResult, speculative_generate
+
+__all__ = ["NgramIndex", "PromptLookup", "lookup_generate"]
+
+
+class NgramIndex:
+    """Where each n-gram (n = 1..``max_ngram``) of a growing token list last ended, and the one before that.
+
+    ``ends[n][gram]`` = (latest end, previous end), an end being the index just past the gram's last token, i.e.
+    where its continuation starts. Two occurrences suffice: the latest one of the current suffix is the suffix itself.
+    """
+
+    def __init__(self, max_ngram: int = 3) -> None:
+        if max_ngram < 1:
+            raise ValueError(f"max_ngram must be >= 1, got {max_ngram}")
+        self.max_ngram = max_ngram
+        self.tokens: list[int] = []
+        self.ends: list[dict[tuple[int, ...], tuple[int, int]]] = [{} for _ in range(max_ngram + 1)]
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for token in tokens:
+            self.tokens.append(int(token))
+            end = len(self.tokens)
+            for n in range(1, min(self.max_ngram, end) + 1):
+                gram = tuple(self.tokens[end - n:end])
+                table = self.ends[n]
+                latest = table.get(gram)
+                table[gram] = (end, latest[0] if latest else -1)
+
+    def continuation(self, num_tokens: int) -> tuple[int, list[int]]:
+        """(match length n, up to ``num_tokens`` tokens that followed the most recent EARLIER occurrence of the
+        longest suffix n-gram); (0, []) when no suffix of length >= 1 occurred before."""
+        end = len(self.tokens)
+        for n in range(min(self.max_ngram, end), 0, -1):
+            seen = self.ends[n].get(tuple(self.tokens[end - n:]))
+            if seen is None:
+                continue
+            earlier = seen[0] if seen[0] != end else seen[1]  # the latest occurrence is usually the suffix itself
+            if earlier > 0:
+                return n, self.tokens[earlier:earlier + num_tokens]
+        return 0, []
+
+
+class PromptLookup:
+    """Proposal policy: the continuation of the longest earlier match of the context's suffix (see the module).
+
+    The index follows the history the loop hands over, extended by the tokens committed since the last round; a new
+    generation (a history that is not an extension of the indexed one) starts a new index.
+    """
+
+    uses_draft = False
+
+    def __init__(self, max_ngram: int = 3, num_tokens: int = 10) -> None:
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        self.max_ngram, self.num_tokens = max_ngram, num_tokens
+        self.name = f"lookup-{max_ngram}x{num_tokens}"
+        self.index = NgramIndex(max_ngram)
+        self._history_id: int | None = None
+
+    def propose(self, draft_logits, history: list[int]) -> ChainProposal:
+        tokens, indexed = self.index.tokens, len(self.index.tokens)
+        fresh = (id(history) != self._history_id or len(history) < indexed
+                 or (indexed and (history[0] != tokens[0] or history[indexed - 1] != tokens[-1])))
+        if fresh:
+            self.index, self._history_id = NgramIndex(self.max_ngram), id(history)
+            indexed = 0
+        self.index.extend(history[indexed:])
+        _, tokens = self.index.continuation(self.num_tokens)
+        ids = torch.tensor(tokens, dtype=torch.long)
+        return ChainProposal(ids, torch.zeros(len(tokens)))  # no draft probabilities: log 1 per node
+
+
+def lookup_generate(target, input_ids: torch.Tensor, max_new_tokens: int = 128, temperature: float = 0.0,
+                    stop_token_ids: Sequence[int] | None = None, seed: int = 0, max_ngram: int = 3,
+                    num_tokens: int = 10) -> GenerationResult:
+    """Prompt-lookup decoding: the same arguments and result as the other ``*_generate`` functions, no drafter.
+
+    ``max_ngram``: the longest suffix matched against the context; ``num_tokens``: how many tokens a round proposes.
+    """
+    return speculative_generate(target, None, input_ids, PromptLookup(max_ngram, num_tokens), max_new_tokens,
+                                temperature, stop_token_ids, seed)
