@@ -141,6 +141,7 @@ def ddtree_generate(
     trace: bool = False,
     policy=None,
     tree: str = "topk",
+    lookup: bool = False,
 ) -> GenerationResult:
     """Speculative decoding with a DDTree draft tree per round; the output is exactly the target's.
 
@@ -152,6 +153,10 @@ def ddtree_generate(
     (and ``"chain-auto"``) measures its cost curve at the prompt's length (rounded up to a power of two; cached per machine and model).
     Trees need a target whose attention backend applies a 4D mask (SDPA, eager, flex): anything else raises
     ``IncompatibleModelError``; ``budget="chain"`` and ``"chain-auto"`` run on any backend.
+
+    ``lookup=True`` (an int budget, top-K trees) merges the context's n-gram continuation into each round's tree under
+    the same budget (:mod:`ddtree.lookup`); ``result.lookup_tokens`` then gives per round the committed tokens that
+    lay on that continuation.
     """
     validate_request(input_ids, max_new_tokens, temperature)  # before any work (``auto`` measures a cost curve)
     if policy is None and not isinstance(budget, str):
@@ -159,6 +164,17 @@ def ddtree_generate(
     chain = isinstance(policy, Chain) or getattr(policy, "chain", False) is True
     if not chain and (policy is not None or budget not in ("chain", "chain-auto")):
         check_tree_attention(target)  # before any work: a tree needs a backend that applies the 4D mask
+    if lookup:
+        if policy is not None or isinstance(budget, str) or tree != "topk":
+            raise ValueError("lookup=True builds its own policy from an int budget and top-K trees: pass budget=<int> "
+                             "and tree='topk', without policy=")
+        from .lookup import LookupTree
+
+        policy = LookupTree(budget)
+        result = speculative_generate(target, draft, input_ids, policy, max_new_tokens, temperature, stop_token_ids,
+                                      seed, block_size=block_size, trace=trace)
+        result.lookup_tokens = policy.lookup_committed
+        return result
     if policy is None:
         context = int(input_ids.shape[-1]) if isinstance(input_ids, torch.Tensor) else None
         policy = make_policy(budget, target, draft, tree=tree, temperature=temperature, seed=seed,

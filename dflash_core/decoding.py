@@ -201,6 +201,7 @@ class GenerationResult:
     tree_sizes: list[int] = field(default_factory=list)  # draft nodes verified per round
     expected_acceptance: list[float] = field(default_factory=list)  # drafter's own estimate per round
     trees: list[Any] | None = None  # the proposals themselves when trace=True
+    lookup_tokens: list[int] | None = None  # per round, committed tokens proposed by a context lookup (lookup runs)
 
     @property
     def tau(self) -> float:

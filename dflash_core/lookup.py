@@ -34,6 +34,7 @@ class NgramIndex:
         self.max_ngram = max_ngram
         self.tokens: list[int] = []
         self.ends: list[dict[tuple[int, ...], tuple[int, int]]] = [{} for _ in range(max_ngram + 1)]
+        self._history_id: int | None = None  # the list :meth:`follow` indexes
 
     def extend(self, tokens: Sequence[int]) -> None:
         for token in tokens:
@@ -44,6 +45,16 @@ class NgramIndex:
                 table = self.ends[n]
                 latest = table.get(gram)
                 table[gram] = (end, latest[0] if latest else -1)
+
+    def follow(self, history: list[int]) -> None:
+        """Index what ``history`` (the loop's growing list of committed tokens) added since the last call; a list that
+        does not extend the indexed tokens (a new generation) restarts the index."""
+        indexed = len(self.tokens)
+        if (id(history) != self._history_id or len(history) < indexed
+                or (indexed and (history[0] != self.tokens[0] or history[indexed - 1] != self.tokens[-1]))):
+            self.tokens, self.ends, indexed = [], [{} for _ in range(self.max_ngram + 1)], 0
+            self._history_id = id(history)
+        self.extend(history[indexed:])
 
     def continuation(self, num_tokens: int) -> tuple[int, list[int]]:
         """(match length n, up to ``num_tokens`` tokens that followed the most recent EARLIER occurrence of the
@@ -62,8 +73,7 @@ class NgramIndex:
 class PromptLookup:
     """Proposal policy: the continuation of the longest earlier match of the context's suffix (see the module).
 
-    The index follows the history the loop hands over, extended by the tokens committed since the last round; a new
-    generation (a history that is not an extension of the indexed one) starts a new index.
+    The index follows the history the loop hands over (:meth:`NgramIndex.follow`).
     """
 
     uses_draft = False
@@ -74,16 +84,9 @@ class PromptLookup:
         self.max_ngram, self.num_tokens = max_ngram, num_tokens
         self.name = f"lookup-{max_ngram}x{num_tokens}"
         self.index = NgramIndex(max_ngram)
-        self._history_id: int | None = None
 
     def propose(self, draft_logits, history: list[int]) -> ChainProposal:
-        tokens, indexed = self.index.tokens, len(self.index.tokens)
-        fresh = (id(history) != self._history_id or len(history) < indexed
-                 or (indexed and (history[0] != tokens[0] or history[indexed - 1] != tokens[-1])))
-        if fresh:
-            self.index, self._history_id = NgramIndex(self.max_ngram), id(history)
-            indexed = 0
-        self.index.extend(history[indexed:])
+        self.index.follow(history)
         _, tokens = self.index.continuation(self.num_tokens)
         ids = torch.tensor(tokens, dtype=torch.long)
         return ChainProposal(ids, torch.zeros(len(tokens)))  # no draft probabilities: log 1 per node
@@ -96,5 +99,7 @@ def lookup_generate(target, input_ids: torch.Tensor, max_new_tokens: int = 128, 
 
     ``max_ngram``: the longest suffix matched against the context; ``num_tokens``: how many tokens a round proposes.
     """
-    return speculative_generate(target, None, input_ids, PromptLookup(max_ngram, num_tokens), max_new_tokens,
-                                temperature, stop_token_ids, seed)
+    result = speculative_generate(target, None, input_ids, PromptLookup(max_ngram, num_tokens), max_new_tokens,
+                                  temperature, stop_token_ids, seed)
+    result.lookup_tokens = [n - 1 for n in result.acceptance_lengths]  # every accepted draft token is a lookup one
+    return result

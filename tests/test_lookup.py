@@ -56,3 +56,59 @@ def test_lookup_decoding_equals_plain_decoding(family, temperature):
         assert got.new_token_ids == ref.new_token_ids
         multi += sum(n > 1 for n in got.acceptance_lengths)
     assert multi >= 3  # lookups were accepted, not only bonus tokens
+
+
+# ---------------------------------------------------------------------------------------------------- in the tree
+def test_merge_keeps_the_best_nodes_of_the_union_prefix_closed():
+    """Brute force over the union: the merged tree holds the B largest values, each node's parent is in the tree,
+    a path both sources propose is one node with the larger value."""
+    import math
+
+    from ddtree import build_tree
+    from ddtree.lookup import merge_lookup
+
+    def token_paths(tree):
+        paths = []
+        for i in range(len(tree)):
+            parent = int(tree.parents[i])
+            paths.append((paths[parent] if parent >= 0 else ()) + (int(tree.token_ids[i]),))
+        return paths
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 6, generator=g) * 2
+    full = build_tree(logits, 6 + 36 + 216 + 1296)  # every prefix with its q
+    q = {p: math.exp(float(lp)) for p, lp in zip(token_paths(full), full.log_probs)}
+    continuation, estimates = [2, 5, 1], [0.9, 0.5, 0.45]
+    union = dict(q)
+    for k, a in enumerate(estimates, start=1):
+        union[tuple(continuation[:k])] = max(union.get(tuple(continuation[:k]), 0.0), a)
+    for budget in (1, 3, 8, 20):
+        merged, placed = merge_lookup(build_tree(logits, budget), continuation, estimates, budget)
+        merged.validate()
+        paths = token_paths(merged)
+        assert len(paths) == len(set(paths)) == budget
+        best = sorted(union.values(), reverse=True)[:budget]
+        assert sorted((union[p] for p in paths), reverse=True) == pytest.approx(best)
+        assert all(p[:-1] in paths for p in paths if len(p) > 1)
+        assert [paths[i] for i in placed] == [tuple(continuation[:k]) for k in range(1, len(placed) + 1)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_ddtree_with_lookup_branches_equals_plain_decoding(temperature):
+    from conftest import make_draft
+    from ddtree import ddtree_generate
+
+    target = make_target("llama", vocab=8, init=0.3)
+    draft = make_draft(target, block_size=5)
+    from_lookup = 0
+    for seed in range(3):
+        p = prompt(70 + seed, 12, 8)
+        ref = autoregressive_generate(target, p, 40, temperature=temperature, seed=seed, stop_token_ids=[7])
+        got = ddtree_generate(target, draft, p, budget=8, max_new_tokens=40, temperature=temperature, seed=seed,
+                              stop_token_ids=[7], lookup=True)
+        assert got.new_token_ids == ref.new_token_ids
+        assert len(got.lookup_tokens) == len(got.acceptance_lengths)
+        from_lookup += sum(got.lookup_tokens)
+    assert from_lookup > 0
+    with pytest.raises(ValueError, match="lookup=True"):
+        ddtree_generate(target, draft, prompt(0, 5, 8), budget="auto", lookup=True)
