@@ -149,6 +149,8 @@ def test_items_sharing_a_benchmark_shingle_are_dropped(tmp_path):
     banned = shingles("Janet ducks lay sixteen eggs per day and she eats three for breakfast every morning")
     stats = {}
     items = [it for _, it in iter_items("code", 0, 0, sources, banned, stats)]
+    assert [it.item_id for _, it in iter_items("code", (3, 1), 0, sources, banned)] == \
+        [it.item_id for (pos, k), it in iter_items("code", 0, 0, sources, banned) if (pos, k) >= (3, 1)]
     assert stats["dropped"] == 1 and not any("Janet" in it.response for it in items)
     assert len({it.item_id for it in items}) == len(items) > 6
     assert all(it.response.startswith("```python\n") for it in items)
@@ -202,6 +204,16 @@ def test_stream_continues_from_its_cursor_without_repeating_generated_sequences(
     resumed = _stream(tmp_path, {"generated": 1.0}, cursor=Cursor(**vars(s.cursor)), generated=gen)
     later = [q.key for _ in range(8) for q in resumed.next_step()]
     assert len(set(first + later)) == 64 and all(k.endswith("@e0") for k in first + later)  # no repeat in epoch 0
+
+
+def test_corpus_cursor_resumes_at_the_next_item_even_inside_one_file(tmp_path):
+    s = _stream(tmp_path, {"code": 1.0})
+    first = [q.key for _ in range(4) for q in s.next_step()]  # one window: 16 items
+    resumed = _stream(tmp_path, {"code": 1.0}, cursor=Cursor(**vars(s.cursor)))
+    later = [q.key for _ in range(4) for q in resumed.next_step()]
+    assert not set(first) & set(later)
+    whole = _stream(tmp_path, {"code": 1.0})
+    assert sorted(first + later) == sorted(q.key for _ in range(8) for q in whole.next_step())
 
 
 def test_corpus_answers_are_chat_turns_that_end_the_turn(tmp_path):

@@ -45,9 +45,10 @@ KINDS = ("generated", "code", "math", "docs")
 
 @dataclass
 class Cursor:
-    """Where a stream stands: per corpus kind the next file position, generated sequences drawn, steps taken."""
+    """Where a stream stands: per corpus kind the next item ([file position, item index in that file]; a bare file
+    position means its first item), generated sequences drawn, sequences drawn in all."""
 
-    files: dict[str, int] = field(default_factory=dict)
+    files: dict[str, list[int] | int] = field(default_factory=dict)
     generated: int = 0
     slots: int = 0  # sequences drawn in all (the mixing draw is keyed by it)
 
@@ -101,10 +102,10 @@ class SequenceStream:
                 self._iters[kind] = iter_items(kind, self.cursor.files.get(kind, 0), self.seed, self.sources,
                                                self.banned, self.stats)
             try:
-                pos, item = next(self._iters[kind])
+                (pos, k), item = next(self._iters[kind])
             except StopIteration:
                 return None  # this kind is used up
-            self.cursor.files[kind] = pos  # its file is being read (a resume re-reads it)
+            self.cursor.files[kind] = [pos, k + 1]  # the next item to read
             prompt = build_chat(self.tokenizer, [item.request])
             response = list(self.tokenizer.encode(item.response, add_special_tokens=False)) + self._end
             ids = (prompt + response)[: self.max_len]

@@ -16,7 +16,7 @@ Every item is chat-formatted (a short user request, the text as the assistant's 
 drafter drafts in. The benchmark-data packages (and this project) are never read, and every item sharing a 10-word
 shingle with a benchmark-eligible prompt (:func:`dflash_core.data.benchmark_split` of every offline dataset) is
 dropped. Items come in a seeded order of files; a consumer's position in that order (``cursor``) says which items a
-training run has used. The manifest lists, per source, the distributions read with their version, licence, file count
+training run has used (a file position and an item index within the file). The manifest lists, per source, the distributions read with their version, licence, file count
 and a hash of their files; its fingerprint says whether a cursor still refers to the same corpus.
 """
 
@@ -265,22 +265,26 @@ def file_order(sources: list[TextSource], kind: str, seed: int) -> list[tuple[Te
     return files
 
 
-def iter_items(kind: str, start: int = 0, seed: int = 0, sources: list[TextSource] | None = None,
-               banned: set[int] | None = None, stats: dict | None = None) -> Iterator[tuple[int, TextItem]]:
-    """(file position, item) for the items of ``kind`` from file position ``start`` on, in the seeded file order.
+def iter_items(kind: str, start: int | tuple[int, int] = 0, seed: int = 0, sources: list[TextSource] | None = None,
+               banned: set[int] | None = None, stats: dict | None = None) -> Iterator[tuple[tuple[int, int], TextItem]]:
+    """((file position, item index in the file), item) for the items of ``kind`` from ``start`` on, in the seeded
+    file order; ``start`` is such a pair (or a file position: that file's first item).
 
     Items sharing a shingle with ``banned`` (default: :func:`benchmark_shingles`) are dropped and counted in
-    ``stats["dropped"]``. The position of an item is its file's: resuming at a position re-reads that file's items.
+    ``stats["dropped"]``.
     """
     sources = corpus_sources() if sources is None else sources
     banned = benchmark_shingles() if banned is None else banned
     stats = {} if stats is None else stats
     stats.setdefault("dropped", 0)
+    first_file, first_item = (start, 0) if isinstance(start, int) else tuple(start)
     for pos, (source, rel) in enumerate(file_order(sources, kind, seed)):
-        if pos < start:
+        if pos < first_file:
             continue
-        for item in _file_items(source, rel):
+        for k, item in enumerate(_file_items(source, rel)):
+            if pos == first_file and k < first_item:
+                continue
             if banned and not shingles(item.request + "\n" + item.response).isdisjoint(banned):
                 stats["dropped"] += 1
                 continue
-            yield pos, item
+            yield (pos, k), item
