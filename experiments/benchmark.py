@@ -48,7 +48,7 @@ from experiments.presets import (
     BUDGET_POLICIES, DTYPES, PRESETS, TREE_KINDS, ModelPair, Preset, get_preset, with_overrides,
 )
 from experiments.schema import (
-    EXTRA_TREE_SIZES, MANIFEST_FILENAME, RECORDS_FILENAME, Manifest, SampleRecord, append_record, method_label,
+    EXTRA_AR_MARGIN, EXTRA_TREE_SIZES, MANIFEST_FILENAME, RECORDS_FILENAME, Manifest, SampleRecord, append_record, method_label,
     read_records, record_key, tree_kind,
 )
 
@@ -344,9 +344,20 @@ def first_mismatch(output: Sequence[int], reference: Sequence[int]) -> int | Non
     return next((i for i, (a, b) in enumerate(zip(output, reference)) if a != b), min(len(output), len(reference)))
 
 
+@torch.inference_mode()
+def top2_margin(target, prompt_ids: torch.Tensor, continuation: Sequence[int], index: int) -> float:
+    """Top-1 minus top-2 logit of the target's next-token distribution after ``prompt_ids`` [1, T] followed by
+    ``continuation[:index]`` (one teacher-forced forward, in the target's dtype)."""
+    device = target.lm_head.weight.device
+    ids = torch.cat([prompt_ids[0], torch.tensor(list(continuation[:index]), dtype=torch.long)])[None].to(device)
+    top = target(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1].float().topk(2).values
+    return float(top[0] - top[1])
+
+
 def _record(variant: Variant, conv: Conversation, turn: int, result, seed: int, models: Models, wall_s: float,
-            reference: list[int] | None, order: int) -> SampleRecord:
-    """``reference``: AR's output to compare with (greedy only), or None."""
+            reference: list[int] | None, order: int, input_ids: torch.Tensor | None = None) -> SampleRecord:
+    """``reference``: AR's output to compare with (greedy only), or None; ``input_ids``: the prompt, to price where
+    an output first leaves the reference (plain decoding's top-2 margin there, after the timed generation)."""
     timings = dict(result.timings)
     out = list(result.new_token_ids)
     extra: dict[str, Any] = {"output_ids": out, "wall_s": round(wall_s, 6), "order": order,
@@ -355,6 +366,9 @@ def _record(variant: Variant, conv: Conversation, turn: int, result, seed: int, 
     if reference is not None and variant.method != "ar":
         extra["first_mismatch"] = first_mismatch(out, reference)  # where a bf16 near-tie flipped the argmax
         matches_ar = extra["first_mismatch"] is None
+        at = extra["first_mismatch"]
+        if at is not None and input_ids is not None and at < len(reference):
+            extra[EXTRA_AR_MARGIN] = round(top2_margin(models.target, input_ids, reference, at), 4)
     extra["target_forwards"] = 1 + len(result.acceptance_lengths)  # the prefill, then one verify per round
     if variant.method != "ar":
         extra[EXTRA_TREE_SIZES] = list(result.tree_sizes)
@@ -442,7 +456,8 @@ class Session:
                     continue
                 result, wall = self._generate(variant, input_ids, t, seed)
                 compare_with = reference if t == 0 else None  # sampled outputs differ from AR's by design
-                self._write(_record(variant, conv, turn, result, seed, self.models, wall, compare_with, order))
+                self._write(_record(variant, conv, turn, result, seed, self.models, wall, compare_with, order,
+                                    input_ids))
             if turn + 1 < len(item.turns):
                 answers.append(_answer_text(self.models.tokenizer, reference or [], self.models.stop_token_ids))
 

@@ -38,6 +38,19 @@ METHODS = ("ar", "dflash", "ddtree")
 TREE_KINDS = ("topk", "sampled")
 # Conventional key in SampleRecord.extra: number of draft nodes verified in each round (tree policies).
 EXTRA_TREE_SIZES = "tree_sizes"
+# Where a record's greedy output first left plain decoding's, plain decoding's top-2 logit margin at that token
+# (extra["ar_margin_at_mismatch"]); below NEAR_TIE_MARGIN the two top tokens are a near-tie that bf16 rounding of
+# multi-token versus one-token forwards can flip (measured: up to ~0.3 logits on the embedded target).
+EXTRA_AR_MARGIN = "ar_margin_at_mismatch"
+NEAR_TIE_MARGIN = 0.5
+
+
+def near_tie_or_equal(matches_ar: bool | None, extra: dict) -> bool | None:
+    """True when the output equals plain decoding's or first leaves it at a near-tie of plain decoding."""
+    if matches_ar is None:
+        return None
+    margin = extra.get(EXTRA_AR_MARGIN)
+    return bool(matches_ar) or (margin is not None and margin < NEAR_TIE_MARGIN)
 
 # ---- display names and colours: the one place plots and the runner's summary take them from -------------------
 METHOD_LABELS = {"ar": "AR", "dflash": "DFlash", "ddtree": "DDTree"}

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from experiments.schema import (
-    EXTRA_TREE_SIZES, METHODS, TREE_KINDS, SampleRecord, bootstrap_ci, dataset_sort_key, method_label, tree_kind,
+    EXTRA_TREE_SIZES, METHODS, TREE_KINDS, SampleRecord, bootstrap_ci, dataset_sort_key, method_label,
+    near_tie_or_equal, tree_kind,
 )
 
 ORACLE_LABEL = "DDTree (oracle budget)"
@@ -73,6 +74,8 @@ class Stats:
     speedup_ci_high: float | None = None
     acceptance_by_depth: tuple[float, ...] = ()  # [d-1]: share of rounds that accepted a draft token at depth d
     target_forwards: int | None = None  # target forward passes (prefill included) over all records
+    # share of compared records equal to plain decoding or first leaving it at a near-tie (schema.NEAR_TIE_MARGIN)
+    near_tie_match: float | None = None
 
     @property
     def within_noise(self) -> bool:
@@ -175,6 +178,7 @@ def _variant_stats(dataset: str, temperature: float, method: str, policy: str, b
     rounds = sum(len(r.acceptance_lengths) for r in records)
     accepted = sum(sum(r.acceptance_lengths) for r in records)
     compared = [r.matches_ar for r in records if r.matches_ar is not None]
+    near = [near_tie_or_equal(r.matches_ar, r.extra) for r in records if r.matches_ar is not None]
     sizes = [size for r in records for size in (r.extra.get(EXTRA_TREE_SIZES) or [])]
     return Stats(
         dataset=dataset, temperature=temperature, method=method, policy=policy, budget=budget,
@@ -187,6 +191,7 @@ def _variant_stats(dataset: str, temperature: float, method: str, policy: str, b
         speedup_ci_low=ci_low, speedup_ci_high=ci_high,
         acceptance_by_depth=acceptance_by_depth(n for r in records for n in r.acceptance_lengths),
         target_forwards=sum(target_forwards(r) for r in records),
+        near_tie_match=sum(near) / len(near) if near else None,
     )
 
 

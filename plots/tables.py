@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from experiments.schema import SampleRecord, dataset_label, dataset_sort_key
+from experiments.schema import NEAR_TIE_MARGIN, SampleRecord, dataset_label, dataset_sort_key
 from plots.metrics import ORACLE_LABEL, Stats, compute_stats, groups_of, headline_stats, oracle_stats
 
-_HEADER = ("Dataset", "T", "Method", "Speedup", "Per-prompt median [95% CI]", "τ", "Exact match", "n")
+_HEADER = ("Dataset", "T", "Method", "Speedup", "Per-prompt median [95% CI]", "τ", "Equal / up to near-ties", "n")
 FOOTNOTE = (f"Speedup = AR time per token ÷ method time per token (token-weighted over samples both finished); "
              f"τ = mean tokens committed per round; {ORACLE_LABEL} = best fixed budget chosen after the fact. Per-prompt median: "
             f"paired with AR on the same prompt, bootstrap 95% interval; ≈ marks an interval that contains 1 (within "
-            f"noise of AR).")
+            f"noise of AR). Equal: outputs identical to plain decoding's; up to near-ties: identical, or first leaving "
+            f"it at a token where plain decoding's top-2 logit margin is below {NEAR_TIE_MARGIN} (bf16 multi-token "
+            f"and one-token forwards round differently and flip such near-ties; in fp32 every output is equal).")
 SAMPLED_NOTE = ("DDTree sampled = children drawn from the drafter's distribution and verified by recursive rejection "
                 "sampling; DDTree (B=…) = the deterministic top-K tree, verified by sample-and-match.")
 
@@ -35,7 +37,10 @@ def _cells(s: Stats, times: str = "×") -> list[str]:
         spread = f"{s.speedup_median:.2f} [{s.speedup_ci_low:.2f}, {s.speedup_ci_high:.2f}]"
         if s.method != "ar" and s.within_noise:
             spread = "≈ " + spread
-    match = "–" if s.exact_match is None else f"{100 * s.exact_match:.0f}% ({s.num_compared})"
+    match = "–"
+    if s.exact_match is not None:
+        near = s.exact_match if s.near_tie_match is None else s.near_tie_match
+        match = f"{100 * s.exact_match:.0f}% / {100 * near:.0f}% ({s.num_compared})"
     return [dataset_label(s.dataset), _temperature(s.temperature), s.label, _num(s.speedup, 2, times), spread,
             _num(s.tau), match, str(s.num_records)]
 
@@ -57,7 +62,7 @@ def _latex_escape(text: str) -> str:
 
 def latex_table(rows: Iterable[Stats]) -> str:
     """A booktabs ``tabular`` (needs ``\\usepackage{booktabs}``); a rule between (dataset, temperature) groups."""
-    header = ["Dataset", "$T$", "Method", "Speedup", "Median [95\\% CI]", r"$\tau$", "Exact match", "$n$"]
+    header = ["Dataset", "$T$", "Method", "Speedup", "Median [95\\% CI]", r"$\tau$", "Equal / near-ties", "$n$"]
     out = [r"\begin{tabular}{lllrrrrr}", r"\toprule", " & ".join(header) + r" \\", r"\midrule"]
     previous = None
     for s in rows:

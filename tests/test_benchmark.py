@@ -314,3 +314,34 @@ def test_sized_run_records_what_it_left_out(tmp_path, capsys):
     assert {r.dataset for r in records} == {"gsm8k"} and {r.budget for r in records if r.method == "ddtree"} == {4}
     assert {r.method for r in records} == {"ar", "dflash", "ddtree"}
     assert "left out by the stated rule" in capsys.readouterr().err
+
+
+def test_top2_margin_is_the_gap_between_the_two_best_logits():
+    from conftest import make_target
+    from experiments.benchmark import top2_margin
+
+    target = make_target("llama", vocab=32, layers=2, hidden=16)
+    prompt_ids, continuation = torch.tensor([[3, 5, 7]]), [9, 11, 13]
+    logits = target(input_ids=torch.tensor([[3, 5, 7, 9, 11]])).logits[0, -1]
+    top = logits.topk(2).values
+    assert top2_margin(target, prompt_ids, continuation, 2) == pytest.approx(float(top[0] - top[1]))
+
+
+def test_exact_match_column_separates_near_ties_from_real_differences():
+    """Two records equal to plain decoding, one leaving it at a near-tie (margin 0.1), one at a clear choice
+    (margin 3.0): 50% equal, 75% up to near-ties."""
+    from experiments.schema import EXTRA_AR_MARGIN, SampleRecord
+    from plots.metrics import compute_stats
+    from plots.tables import markdown_table
+
+    def rec(method, match, margin=None):
+        extra = {} if margin is None else {EXTRA_AR_MARGIN: margin}
+        return SampleRecord(dataset="gsm8k", sample_id=str(len(extra)) + str(match) + str(margin), turn=0,
+                            method=method, budget=8 if method == "ddtree" else None, policy="fixed", temperature=0.0,
+                            num_input_tokens=5, num_new_tokens=10, prefill_s=0.01, decode_s=0.1,
+                            acceptance_lengths=[2] * 5, stage_times={}, matches_ar=match, extra=extra)
+
+    records = [rec("ddtree", True), rec("ddtree", True), rec("ddtree", False, 0.1), rec("ddtree", False, 3.0)]
+    (stats,) = [s for s in compute_stats(records) if s.method == "ddtree"]
+    assert stats.exact_match == 0.5 and stats.near_tie_match == 0.75
+    assert "50% / 75% (4)" in markdown_table([stats])
