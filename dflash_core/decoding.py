@@ -365,6 +365,9 @@ def speculative_generate(
 def _prepare(target, draft, input_ids, policy, max_new_tokens, temperature, stop_token_ids, block_size):
     """Validate a generation request; returns the target adapter and the set of stop ids."""
     validate_request(input_ids, max_new_tokens, temperature)
+    if not callable(getattr(policy, "propose", None)) or not isinstance(getattr(policy, "uses_draft", None), bool):
+        raise TypeError(f"{type(policy).__name__} is not a proposal policy: it needs propose(draft_logits, history) "
+                        "and a bool uses_draft (True when it reads the drafter's logits); see ProposalPolicy")
     if policy.uses_draft:
         if draft is None:
             raise ValueError(f"policy {policy.name!r} needs a drafter; pass draft=...")

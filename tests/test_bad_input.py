@@ -147,3 +147,14 @@ def test_a_cut_off_sample_line_costs_only_itself(tmp_path):
     with open(path, "a") as f:
         f.write('{"a": 5}\n')
     assert [s["a"] for s in load_samples(path)] == [1, 3, 5]
+
+
+def test_a_policy_without_uses_draft_says_what_it_lacks(pair):
+    class Half:
+        name = "half"
+
+        def propose(self, draft_logits, history):
+            raise AssertionError("never called")
+
+    with pytest.raises(TypeError, match="needs propose.*and a bool uses_draft"):
+        ddtree_generate(pair[0], pair[1], prompt(0, 5, 64), max_new_tokens=4, policy=Half())

@@ -50,6 +50,8 @@ def _worker(index: int, a: argparse.Namespace) -> None:
     layer_ids = [int(x) for x in a.taps.split(",")] if a.taps else default_taps(target)
     out = Path(a.out)
     done = done_prompt_keys(out)
+    for other in a.skip_done_in or ():  # prompts answered in other data folders (e.g. the committed shards)
+        done |= done_prompt_keys(other)
     plan = [x for k, x in enumerate(prompt_plan(a.seed, a.passes)) if k % a.workers == index and x[0] not in done]
     fingerprint = target_fingerprint(target)
     log = open(out / f"datagen.w{index}.log", "a", buffering=1)
@@ -121,6 +123,8 @@ def main(argv=None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-prompt-tokens", type=int, default=512)
     p.add_argument("--passes", type=int, default=2)
+    p.add_argument("--skip-done-in", action="append", default=None,
+                   help="also skip prompts answered in this data folder (repeatable): extend a corpus kept elsewhere")
     p.add_argument("--sampled-fraction", type=float, default=0.35, help="share of pass-0 batches that sample")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=0.95)

@@ -8,11 +8,14 @@ A drafter learns to predict what its *target* will say, so the responses to thes
 * ``stdlib``: coding and explanation tasks built from the docstrings of Python's own standard library (PSF license);
 * ``code-tasks``: self-written classic programming exercises, asked plainly and as HumanEval-style stubs;
 * ``math-templates``: self-written arithmetic word problems and small algebra exercises with random numbers;
-* ``chat``: self-written seed topics crossed with instruction templates (tips, explanations, emails, stories, ...).
+* ``chat``: self-written seed topics crossed with instruction templates (tips, explanations, emails, stories, ...);
+* ``package-docs``: coding and explanation tasks from the docstrings of the installed packages (their licences are
+  in the text corpus's manifest, :mod:`.textcorpus`).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import random
@@ -106,6 +109,59 @@ def stdlib_prompts(seed: int = 0) -> list[PromptItem]:
                 template = rng.choice(_STDLIB_TEMPLATES)
                 text = template.format(qual=qual, doc=doc, doc_lower=doc[0].lower() + doc[1:])
                 items.append(PromptItem("stdlib", f"stdlib:{qual}", text))
+    return items
+
+
+# packages whose public API a user of this target would plausibly ask about (not model classes or font tables)
+DOC_PROMPT_PACKAGES = ("numpy", "scipy", "sympy", "mpmath", "networkx", "torch", "matplotlib", "requests", "click",
+                       "rich", "pydantic", "jinja2", "yaml", "dateutil", "packaging", "tqdm", "huggingface_hub")
+
+
+@functools.lru_cache(maxsize=None)
+def _package_docstrings() -> tuple[tuple[str, str], ...]:
+    """(qualified name, first docstring paragraph) of the module-level public functions and classes of
+    DOC_PROMPT_PACKAGES, found by a pattern over the source text (no import, no parse: a few seconds)."""
+    import re
+
+    from .textcorpus import _module_name, corpus_sources
+
+    pattern = re.compile(r'^(?:def|class)\s+([A-Za-z]\w*)\b[^\n]*:[ \t]*\n[ \t]+[rRuU]?("""|\'\'\')(.*?)(?:\n[ \t]*\n|\2)',
+                         re.MULTILINE | re.DOTALL)
+    found: dict[str, str] = {}
+    for source in corpus_sources():
+        if source.name not in ("package-code", "package-math"):
+            continue
+        for rel in source.files:
+            private = rel.name.startswith("_") and rel.name != "__init__.py"
+            if rel.parts[0] not in DOC_PROMPT_PACKAGES or private or any(
+                    part.startswith("_") or part in ("tests", "testing") for part in rel.parts[:-1]):
+                continue
+            try:
+                text = (source.root / rel).read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+            module = _module_name(rel)
+            for match in pattern.finditer(text):
+                line = " ".join(match.group(3).split())
+                if 12 <= len(line) <= 300 and not line.startswith(("(", "[", ">>>", "..")):
+                    found.setdefault(f"{module}.{match.group(1)}", line)
+    return tuple(sorted(found.items()))
+
+
+def package_doc_prompts(limit: int = 5000, seed: int = 0) -> list[PromptItem]:
+    """Coding / explanation tasks from the first docstring paragraph of public module-level functions and classes of
+    the installed packages the text corpus reads (:mod:`.textcorpus`), ``limit`` of them in a seeded choice. The
+    prompts change with the installed versions: shards keep the prompt keys, and a prompt that no longer rebuilds is
+    skipped at load time (:func:`.corpus.load_corpus`)."""
+    found = dict(_package_docstrings())
+    quals = sorted(found)
+    rng = random.Random(f"package-docs:{seed}")
+    rng.shuffle(quals)
+    items = []
+    for qual in sorted(quals[:limit]):
+        doc = found[qual]
+        text = rng.choice(_STDLIB_TEMPLATES).format(qual=qual, doc=doc, doc_lower=doc[0].lower() + doc[1:])
+        items.append(PromptItem("package-docs", f"package-docs:{qual}", text))
     return items
 
 
@@ -301,10 +357,16 @@ def chat_prompts(n: int, seed: int = 0) -> list[PromptItem]:
     return [PromptItem("chat", f"chat:{t}:{k}", _CHAT_TEMPLATES[k].format(t=_TOPICS[t])) for t, k in pairs[:n]]
 
 
-def build_prompts(seed: int = 0, n_math_templates: int = 900, n_chat: int = 1400) -> list[PromptItem]:
-    """Every training prompt, shuffled with ``seed`` (so a run cut short still holds a mix of all sources)."""
+def build_prompts(seed: int = 0, n_math_templates: int = 2700, n_chat: int = 1792,
+                  n_package_docs: int = 5000) -> list[PromptItem]:
+    """Every training prompt, shuffled with ``seed`` (so a run cut short still holds a mix of all sources).
+
+    Growing a count adds prompts and keeps the earlier ones (each source draws in a fixed order), so shards of an
+    earlier, smaller pool still rebuild: until 2026-12-01 the pool had 900 math templates, 1,400 chat prompts and no
+    package docs."""
     items = (benchmark_training_prompts() + stdlib_prompts(seed) + code_task_prompts()
-             + math_template_prompts(n_math_templates, seed) + chat_prompts(n_chat, seed))
+             + math_template_prompts(n_math_templates, seed) + chat_prompts(n_chat, seed)
+             + package_doc_prompts(n_package_docs, seed))
     ids = [it.prompt_id for it in items]
     if len(set(ids)) != len(ids):
         raise RuntimeError("duplicate prompt ids")
