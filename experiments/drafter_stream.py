@@ -7,8 +7,8 @@ corpus files and generated sequences earlier runs used, and the tau-vs-tokens cu
 chain and DDTree B=32, bf16 copy of the drafter as shipped) every ``--eval-every`` tokens, and writes into ``--out``:
 
 * ``drafter/`` the trained drafter (bf16), ``checkpoint.pt`` (resumable: rerun the same command),
-* ``training_log.json`` the input log plus this run (cursor after it, throughput, the curve with cumulative tokens),
-  ready to be committed next to the drafter when it replaces the shipped one,
+* ``training_log.json`` the input log plus this run (cursor after it, ``tokens_seen`` over all runs, throughput, the
+  curve with cumulative tokens), ready to be committed next to the drafter when it replaces the shipped one,
 * ``summary.json`` this run's numbers: tokens per source kind, target-pass and end-to-end tokens/s beside the
   machine's teacher-forced ceiling measured at the start, tau before and after.
 """
@@ -145,7 +145,7 @@ def main(argv=None) -> None:
                          eval_every_tokens=a.eval_every, state=StreamState(cursor=cursor))
     draft.save_pretrained(out / "drafter", dtype=torch.bfloat16)
     evals = [h for h in state.history if "tau_chain" in h]
-    base = sum(r.get("tokens", 0) for r in prior["runs"]) + prior.get("tokens_before_log", 0)
+    base = prior.get("tokens_seen", 0)  # response tokens the drafter had trained on before this run, all runs
     run_id = out.name
     run = {"run": run_id, "date": datetime.date.today().isoformat(), "cpu": cpu_model(), "dtype": "bfloat16",
            "threads": torch.get_num_threads(), "init": a.init, "mix": mix, "steps": state.step,
@@ -162,7 +162,8 @@ def main(argv=None) -> None:
     curve = prior.get("curve", []) + [{"run": run_id, "tokens": base + h["tokens"], "tau_chain": h["tau_chain"],
                                        "tau_b32": h["tau_b32"]} for h in evals]
     new_log = {**prior, "corpus_fingerprint": manifest["fingerprint"], "corpus": manifest["sources"],
-               "cursor": vars(state.cursor), "runs": prior["runs"] + [run], "curve": curve}
+               "cursor": vars(state.cursor), "tokens_seen": base + state.tokens, "runs": prior["runs"] + [run],
+               "curve": curve}
     write_json_atomic(out / "training_log.json", new_log)
     summary = {**run, "history": state.history, "total_minutes": (time.perf_counter() - t0) / 60}
     write_json_atomic(out / "summary.json", summary)

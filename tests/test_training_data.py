@@ -272,6 +272,13 @@ def test_recipe_command_generates_then_trains_and_resumes(tmp_path):
     recipe.main(args)  # a rerun answers new prompts and resumes training from the checkpoint (already done)
     assert len(list_shards(tmp_path / "data")) == 2
     assert json.loads((tmp_path / "fit" / "summary.json").read_text())["steps"] == 2
+    # a fit from --init keeps the drafter's own vocabulary (its rows of the head), even on other data
+    from dflash_core.training import fit
+
+    fit.main(["--data", str(tmp_path / "data"), "--out", str(tmp_path / "fit2"), "--init", str(tmp_path / "fit" / "drafter"),
+              "--steps", "1", "--eval-prompts", "0", "--threads", "1", "--device", "cpu"])
+    again = load_draft(tmp_path / "fit2" / "drafter")
+    assert torch.equal(again.draft_vocab, draft.draft_vocab)
 
 
 def test_corpus_rebuilds_prompts_with_each_shards_generation_seed(tmp_path):

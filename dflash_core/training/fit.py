@@ -136,11 +136,16 @@ def main(argv=None) -> None:
     else:
         draft = DFlashDraftModel(make_draft_config(target.config, spec))
     coverage = None
+    inherited = draft.draft_vocab if a.init else None  # a drafter's vocabulary belongs to its head: keep it
+    if inherited is not None and a.draft_vocab in (0, len(inherited)):
+        a.draft_vocab = len(inherited)
     if a.draft_vocab:
         resumed = (load_checkpoint(out / "checkpoint.pt")["draft"].get("draft_vocab")
                    if (out / "checkpoint.pt").is_file() else None)
-        # a resumed run keeps the vocabulary it started with (the data may have grown since)
-        vocab = resumed if resumed is not None else build_draft_vocab(data.responses, a.draft_vocab, always=stops)
+        # a resumed run keeps the vocabulary it started with (the data may have grown since), as does a run from
+        # --init (its head rows were trained for that vocabulary)
+        vocab = resumed if resumed is not None else inherited if inherited is not None and \
+            len(inherited) == a.draft_vocab else build_draft_vocab(data.responses, a.draft_vocab, always=stops)
         draft.set_draft_vocab(vocab)
         coverage = vocab_coverage(data.held_responses or data.responses[:50], vocab)
         log(f"draft vocabulary: {len(vocab)} ids, held-out token coverage {coverage:.4f}")
