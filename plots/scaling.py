@@ -77,7 +77,7 @@ def plot_scaling(log: dict, out: str | Path, title: str = "") -> Path:
                     label=f"{label} fit (goal {goal} at {summary[kind]['tokens_needed']:.2g} tokens)")
     ax.set_xscale("log")
     ax.set_xlabel("training response tokens seen (cumulative, all runs)")
-    ax.set_ylabel("tau (fixed protocol, replayed)")
+    ax.set_ylabel("tau (fixed protocol: 24 prompts, greedy, 128 tokens)")
     ax.set_title(title or "Drafter scaling curve")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
