@@ -228,6 +228,9 @@ def test_shipped_response_shards_reference_only_training_prompts():
     for name in names:
         for s in read_shard_tokens(folder, name):
             prompt_id = s.prompt_key.split("#")[0]
+            assert prompt_id.startswith(f"{s.source}:"), s.prompt_key  # the key names its source
+            if s.source == "package-docs":  # follows the installed package versions: rebuilt where they match
+                continue
             total += 1
             rebuilt += known.get(prompt_id) == s.source
             if s.source in eligible:  # benchmark pools: rebuilt exactly, and never an eligible item
