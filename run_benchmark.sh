@@ -3,21 +3,30 @@
 #
 #   bash run_benchmark.sh                  default preset: embedded SmolLM2 pair on CPU (within 15 min on 2 cores)
 #   bash run_benchmark.sh --quick          smoke test within 3 minutes (same as DDTREE_QUICK=1)
-#   bash run_benchmark.sh --preset paper   the DDTree paper's grid on CUDA (torchrun over all visible GPUs)
+#   bash run_benchmark.sh --preset paper   the DDTree paper's grid on CUDA (torchrun over all visible GPUs), sized
+#                                          to an hour of decoding per model pair (--full: the whole grid)
+#   bash run_benchmark.sh --preset paper --dry-run
+#                                          what that would run here (datasets, models, devices, disk, time), then
+#                                          exit without loading or running anything (python -m experiments.plan)
+#   --hub-datasets                         also the preset's hub-only datasets (paper: mbpp, livecodebench,
+#                                          swe-bench, alpaca; they need the Hugging Face Hub and `datasets`)
 #
 # Any other argument goes to `python -m experiments.benchmark` (see its --help), e.g. --draft random,
 # --datasets gsm8k,humaneval, --out runs/mine. Rerunning with the same --out resumes an interrupted run.
+# Offline machines: DDTREE_WHEELHOUSE=DIR makes setup install from a folder of wheels (docs/gpu.md).
 # On a CPU shared with other busy processes, add --threads 1: torch's two threads then wait on each other and run
 # several times slower than one (measured on this 2-core machine under load).
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$REPO"
 START=$SECONDS
-source scripts/bootstrap.sh
 
 PRESET=default
 [ "${DDTREE_QUICK:-0}" = "1" ] && PRESET=quick
 OUT=""
+DRY_RUN=0
+HUB=0
+HAS_DATASETS=0
 ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -26,11 +35,38 @@ while [ $# -gt 0 ]; do
     --preset=*) PRESET="${1#*=}" ;;
     --out) OUT="${2:?--out needs a folder}"; shift ;;
     --out=*) OUT="${1#*=}" ;;
+    --dry-run) DRY_RUN=1 ;;
+    --hub-datasets) HUB=1 ;;
+    --datasets|--datasets=*) HAS_DATASETS=1; ARGS+=("$1") ;;
     *) ARGS+=("$1") ;;
   esac
   shift
 done
 OUT="${OUT:-runs/$PRESET}"
+if [ "$HUB" = "1" ] && [ "$HAS_DATASETS" = "1" ]; then
+  echo "[run_benchmark] give either --datasets or --hub-datasets, not both" >&2
+  exit 2
+fi
+
+source scripts/bootstrap.sh
+
+if [ "$DRY_RUN" = "1" ]; then
+  PLAN=(--preset "$PRESET" --out "$OUT")
+  [ "$HUB" = "1" ] && PLAN+=(--hub-datasets)
+  exec "$DDTREE_PYTHON" -m experiments.plan "${PLAN[@]}" ${ARGS[@]+"${ARGS[@]}"}
+fi
+
+if [ "$HUB" = "1" ]; then  # the preset's datasets plus its hub-only ones, named (so an unreachable one is an error)
+  HUB_LIST="$("$DDTREE_PYTHON" -c 'import sys
+from experiments.presets import get_preset, with_overrides
+preset = get_preset(sys.argv[1])
+print(",".join(with_overrides(preset, include_hub=True).datasets) if preset.hub_datasets else "")' "$PRESET")"
+  if [ -z "$HUB_LIST" ]; then
+    echo "[run_benchmark] preset $PRESET has no hub-only datasets; --hub-datasets changes nothing" >&2
+  else
+    ARGS+=(--datasets "$HUB_LIST")
+  fi
+fi
 
 LAUNCH=("$DDTREE_PYTHON")
 if [ "$PRESET" = "paper" ] && [ -z "${WORLD_SIZE:-}" ]; then
@@ -51,14 +87,27 @@ if [ ${#FOLDERS[@]} -eq 0 ]; then
   echo "[run_benchmark] no records under $OUT" >&2
   exit 1
 fi
-for folder in "${FOLDERS[@]}"; do
-  "$DDTREE_PYTHON" plot_results.py --runs "$folder" --out "$folder/figures" >/dev/null
-done
+FIGURES=1
+if ! "$DDTREE_PYTHON" -c "import matplotlib" >/dev/null 2>&1; then
+  FIGURES=0
+  echo "[run_benchmark] matplotlib is not installed: figures and tables are skipped (the records and the summary" \
+       "above are complete). Install the plots extra (pip install matplotlib, or DDTREE_EXTRAS=dev,plots with" \
+       "its wheels in DDTREE_WHEELHOUSE), then: python plot_results.py --runs $OUT" >&2
+fi
+if [ "$FIGURES" = "1" ]; then
+  for folder in "${FOLDERS[@]}"; do
+    "$DDTREE_PYTHON" plot_results.py --runs "$folder" --out "$folder/figures" >/dev/null
+  done
+fi
 
 echo
 echo "[run_benchmark] finished in $((SECONDS - START)) s"
 for folder in "${FOLDERS[@]}"; do
   echo "  results: $folder/records.jsonl (manifest: $folder/manifest.json)"
-  echo "  figures: $folder/figures/ ($(cd "$folder/figures" && ls *.png | tr '\n' ' '))"
-  echo "  tables:  $folder/figures/results_table.md, $folder/figures/all_budgets.md"
+  if [ "$FIGURES" = "1" ]; then
+    echo "  figures: $folder/figures/ ($(cd "$folder/figures" && ls *.png | tr '\n' ' '))"
+    echo "  tables:  $folder/figures/results_table.md, $folder/figures/all_budgets.md"
+  else
+    echo "  figures: skipped (no matplotlib)"
+  fi
 done

@@ -1,15 +1,17 @@
-"""ddtree: the optimal best-first draft tree from one DFlash pass, one-pass tree verification, ddtree_generate;
-sampled trees with recursive rejection sampling for T > 0 (``tree="sampled"``)."""
+"""ddtree: the optimal best-first draft tree from one DFlash pass and ``ddtree_generate``, with its tree policies
+(fixed budgets, ``auto``, sampled trees for T > 0, lookup branches).
 
-from dflash_core.decoding import compile_proposal as compile_tree
-from dflash_core.decoding import follow
+The root exports what a researcher uses; internals stay importable from their modules (``ddtree.build`` for the
+reference builder, ``ddtree.sampled`` for the recursive rejection rule, ``ddtree.cost`` for the cost model, ...).
+"""
 
-from .build import build_tree, reference_build_tree
-from .generate import TREE_KINDS, FixedBudget, ddtree_generate, make_policy
-from .sampled import RecursiveRejection, SampledDraftTree, SampledTree, sample_tree
-from .tree import DraftTree
+from dflash_core.tree import DraftTree
 
-__all__ = [
-    "DraftTree", "FixedBudget", "RecursiveRejection", "SampledDraftTree", "SampledTree", "TREE_KINDS", "build_tree",
-    "compile_tree", "ddtree_generate", "follow", "make_policy", "reference_build_tree", "sample_tree",
-]
+from .budget import AutoBudget
+from .build import build_tree
+from .generate import FixedBudget, ddtree_generate, make_policy
+from .lookup import LookupTree
+from .sampled import SampledTree
+
+__all__ = ["AutoBudget", "DraftTree", "FixedBudget", "LookupTree", "SampledTree", "build_tree", "ddtree_generate",
+           "make_policy"]

@@ -2,13 +2,9 @@
 
 The best-first tree lists nodes in order of decreasing path probability, and every prefix of that order is itself a
 valid (prefix-closed) tree. Verifying the first N nodes commits on average ``1 + sum_{i<=N} a_i`` tokens, a_i the
-probability that node i's whole path is accepted, and costs ``t_fixed + t_verify(N)`` seconds. Both costs are measured
-as the decode loop spends them (:func:`measure_cost_model`): ``t_verify(N)`` is everything in a round that grows with
-the tree (compiling ids, positions and the ancestor mask, the target's forward over N+1 tokens on a cache of the
-caller's context length, the walk, the cache compaction) and ``t_fixed`` the rest (the drafter pass with its LM head,
-and the policy building its tree at the cap and choosing the prefix). Curves are cached per machine, model pair,
-dtype, thread count, CPU kernels and context length; a GPU profile written by ``experiments.gpu_check`` can stand in
-(:meth:`CostModel.from_profile`).
+probability that node i's whole path is accepted, and costs ``round_seconds(N)`` under the machine's cost curve
+(:mod:`ddtree.cost`: measured once per machine and context bucket, then corrected online from the loop's own round
+timings).
 
 Each round :class:`AutoBudget` builds the tree up to a cap once and keeps the prefix that maximizes
 
@@ -20,228 +16,39 @@ Each round :class:`AutoBudget` builds the tree up to a cap once and keeps the pr
 The a_i are the drafter's path probabilities calibrated online against what the target accepted (default
 ``depth``: one factor per depth; ``power``: p ** beta; ``bucket``: a reliability histogram over log p; ``none``: the
 drafter's own numbers), see :func:`calibrated_probs`. ``python -m experiments.auto_budget_study`` compares rules,
-calibrations and fixed budgets by offline replay under several cost curves. Nothing here reads a clock, so the
-choices are replayable, and neither the rule nor the calibration ever changes the output, only the tree size.
+calibrations and fixed budgets by offline replay under several cost curves. Neither the rule, the calibration nor the
+cost curve ever changes the output, only the tree size.
+
+What a policy learns, and how to make runs reproducible. :meth:`AutoBudget.for_models` (what ``budget="auto"``
+builds) times its own rounds (``online=True``) and, with ``share_memory=True``, continues the round memory and the
+online cost curve of earlier generations with the same models in this process, so a new prompt starts calibrated.
+Tree sizes then depend on earlier prompts and on the machine's timing noise (the output never does). For
+reproducible tree sizes pass ``share_memory=False, online=False``, e.g.
+``ddtree_generate(..., policy=make_policy("auto", target, draft, share_memory=False, online=False))``;
+:func:`forget_shared_memory` drops everything shared so far. The constructor itself reads no clock unless given one
+(``clock=time.perf_counter``), so a policy built with it is replayable (:mod:`dflash_core.replay`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import statistics
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 
+from dflash_core.decoding import Chain
+from dflash_core.tree import DraftTree
+
 from .build import build_tree
-from .tree import DraftTree
+from .cost import CostModel, OnlineCost, context_bucket, default_cap, measure_cost_model
 
-__all__ = ["CostModel", "AutoBudget", "Round", "RoundMemory", "CALIBRATIONS", "RULES", "calibrated_probs", "measure_cost_model",
-           "median_seconds", "best_prefix", "truncate_tree", "default_cap", "context_bucket", "forget_shared_memory"]
-
-
-def default_cap(device: torch.device) -> int:
-    """The largest tree ``auto`` builds per round: 1024 nodes on CUDA, 128 on a CPU."""
-    return 1024 if torch.device(device).type == "cuda" else 128
-
-
-def context_bucket(length: int) -> int:
-    """The context length a cost curve is measured at for a prompt of ``length`` tokens: the next power of two
-    (at least 64), so prompts of similar length share one measurement."""
-    return max(64, 1 << max(0, int(length) - 1).bit_length())
-
-
-# ---------------------------------------------------------------------------------------------------- cost model
-@dataclass(frozen=True)
-class CostModel:
-    """Seconds per round as a function of the number of draft nodes: ``fixed_s + verify(N)``.
-
-    ``verify`` is the measured median target forward time over N+1 new tokens at the grid ``nodes``, made monotone
-    and interpolated linearly in N (extrapolated linearly past the last point).
-    """
-
-    nodes: tuple[int, ...]  # measured tree sizes, increasing, starting at 0
-    verify_s: tuple[float, ...]  # median seconds of the N-dependent part of a round (the target forward and more)
-    fixed_s: float  # drafter pass + tree building at the cap + per-round overhead (seconds)
-    key: str = ""
-    context: int = 0  # tokens in the target's cache the curve was measured on (0 = unknown)
-
-    def __post_init__(self) -> None:
-        if len(self.nodes) != len(self.verify_s) or len(self.nodes) < 2:
-            raise ValueError("CostModel needs at least two (nodes, verify_s) points of equal length")
-        if list(self.nodes) != sorted(self.nodes):
-            raise ValueError("CostModel.nodes must be increasing")
-        monotone = np.maximum.accumulate(np.asarray(self.verify_s, dtype=float))
-        object.__setattr__(self, "verify_s", tuple(float(v) for v in monotone))
-
-    def verify(self, n: np.ndarray | int) -> np.ndarray:
-        x, y = np.asarray(self.nodes, float), np.asarray(self.verify_s, float)
-        n = np.asarray(n, dtype=float)
-        out = np.interp(n, x, y)
-        slope = (y[-1] - y[-2]) / max(x[-1] - x[-2], 1e-9)
-        return np.where(n > x[-1], y[-1] + slope * (n - x[-1]), out)
-
-    def round_seconds(self, n: np.ndarray | int) -> np.ndarray:
-        return self.fixed_s + self.verify(n)
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, raw: dict) -> "CostModel":
-        return cls(tuple(raw["nodes"]), tuple(raw["verify_s"]), float(raw["fixed_s"]), raw.get("key", ""),
-                   int(raw.get("context", 0)))
-
-    @classmethod
-    def from_profile(cls, profile: str | Path | dict, model: str | None = None,
-                     context: int | None = None) -> "CostModel":
-        """The curve of ``model`` (default: the profile's first) from a ``experiments.gpu_check`` profile, at the
-        measured context length nearest to ``context`` (by ratio; default: the longest measured)."""
-        raw = json.loads(Path(profile).read_text()) if not isinstance(profile, dict) else profile
-        models = raw.get("models") or {}
-        if not models:
-            raise ValueError("the profile holds no models")
-        name = model or next(iter(models))
-        if name not in models:
-            raise ValueError(f"model {name!r} is not in the profile (it has {', '.join(models)})")
-        curves = [c for c in models[name].get("cost_models") or [] if "verify_s" in c]
-        if not curves:
-            raise ValueError(f"the profile has no cost curve for {name!r} (its verify_cost step failed or was skipped)")
-        if context is None:
-            best = max(curves, key=lambda c: c.get("context", 0))
-        else:
-            best = min(curves, key=lambda c: abs(math.log(max(c.get("context", 1), 1) / max(context, 1))))
-        return cls.from_json(best)
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    from dflash_core.timing import cpu_model
-
-    return cpu_model()
-
-
-def _cost_key(target, draft, device: torch.device, dtype: torch.dtype) -> str:
-    from dflash_core.cpu_kernels import active_kernels
-
-    cfg = target.config
-    from dflash_core.timing import machine_identity
-
-    ident = {
-        **(machine_identity() if device.type == "cpu" else {}),
-        "device": _device_name(device), "threads": torch.get_num_threads() if device.type == "cpu" else None,
-        "dtype": str(dtype), "model": getattr(cfg, "_name_or_path", ""), "type": cfg.model_type,
-        "shape": [cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size, cfg.intermediate_size],
-        "draft": [draft.config.num_hidden_layers, draft.config.block_size,
-                  getattr(draft.config, "draft_vocab_size", None)] if draft is not None else None,
-        "torch": torch.__version__,
-        "kernels": active_kernels(target),
-    }
-    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _cost_cache_dir() -> Path:
-    from dflash_core.timing import cache_root
-
-    return cache_root() / "costs"
-
-
-def median_seconds(fn, repeats: int, device: torch.device) -> float:
-    """Median seconds of ``fn()``: CUDA events on ``device``'s current stream on CUDA, perf_counter on CPU."""
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            stream = torch.cuda.current_stream(device)  # not the current GPU's: the model may run on another one
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            fn()
-            end.record(stream)
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end) / 1000.0)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-@torch.inference_mode()
-def measure_cost_model(target, draft, grid: tuple[int, ...] | None = None, context: int = 256, repeats: int = 3,
-                       use_cache: bool = True, cap: int | None = None) -> CostModel:
-    """Time one decoding round as the loop spends it, for N draft nodes on top of a ``context``-token target cache.
-
-    ``verify_s(N)``: compiling root + N nodes (ids, positions, ancestor mask), the target forward over them with the
-    drafter's taps, the walk, compacting the cache to an accepted path and gathering the next context features.
-    ``fixed_s``: the drafter pass with its LM head and the policy itself (best-first tree at ``cap`` nodes, the size
-    ``auto`` really builds, then the choice of prefix). Cached per (device, model, dtype, context, cap) under
-    ``$XDG_CACHE_HOME/ddtree/costs``.
-    """
-    from dflash_core import TargetAdapter
-    from dflash_core.decoding import commit_path, draft_block, draft_states, verify_proposal, verify_walk
-    from dflash_core.model import DraftCache
-
-    adapter = TargetAdapter(target, draft.config.target_layer_ids if draft is not None else ())
-    device, dtype = adapter.device, adapter.dtype
-    cap = default_cap(device) if cap is None else cap
-    if grid is None:
-        grid = (0, 1, 2, 4, 8, 16, 32, 48, 64, 96, 128) + ((192, 256, 384, 512, 768, 1024) if device.type == "cuda" else ())
-    key = _cost_key(target, draft, device, dtype)
-    path = _cost_cache_dir() / f"{key}-ctx{context}-cap{cap}.json"
-    from dflash_core.timing import read_cached_json, write_cached_json
-
-    model = read_cached_json(path, CostModel.from_json) if use_cache else None
-    if model is not None and tuple(model.nodes) == tuple(grid):
-        return model
-    vocab = adapter.vocab_size
-    rows = max(draft.block_size - 1 if draft is not None else 15, 1)
-    gen = torch.Generator().manual_seed(0)
-    cache = adapter.new_cache()
-    adapter.forward(torch.randint(0, vocab, (context,), generator=gen), torch.arange(context), cache)
-    verify = []
-    for n in grid:
-        # the tree the policy verifies: a prefix of the best-first tree built at the cap
-        tree = truncate_tree(build_tree(torch.randn(rows, vocab, generator=gen) * 3, max(cap, n)), n)
-        root = int(torch.randint(0, vocab, (1,), generator=gen))
-        deepest = int(tree.depths.argmax()) if len(tree) else -1
-        accepted = []
-        while deepest >= 0:  # an accepted path that is not a prefix, so compaction really gathers
-            accepted.insert(0, deepest)
-            deepest = int(tree.parents[deepest])
-
-        def run():  # the loop's verify and commit steps, then back to the measured context
-            out = verify_proposal(adapter, cache, tree, root, context, with_features=draft is not None)
-            verify_walk(tree, out.logits, 0.0, None)
-            commit_path(adapter, cache, context, accepted, out.features)
-            adapter.crop(cache, context)
-
-        run()  # warm-up for this shape
-        verify.append(median_seconds(run, repeats, device))
-    fixed = 0.0
-    if draft is not None:
-        feats = adapter.forward(torch.randint(0, vocab, (context,), generator=gen), torch.arange(context),
-                                adapter.new_cache()).features
-        policy = AutoBudget(CostModel((0, 1), (1.0, 1.0), 0.0), cap=cap, calibrate=False)  # any curve: timed, not used
-        new = min(4, context - 1)  # a steady round: a few newly committed tokens join the drafter's cache
-        dcache = DraftCache()
-        draft_states(draft, adapter, 0, feats[: context - new], context - new, dcache)  # the context before them
-        root = int(torch.randint(0, vocab, (1,), generator=gen))
-
-        def draft_round():  # the loop's draft step and the policy's tree
-            policy.propose(draft_block(draft, adapter, root, feats[context - new:], context, dcache), [])
-            dcache.crop(context - new)
-
-        draft_round()
-        fixed = median_seconds(draft_round, repeats, device)
-    model = CostModel(tuple(grid), tuple(verify), fixed, key, context)
-    if use_cache:
-        write_cached_json(path, model.to_json())
-    return model
+__all__ = ["AutoBudget", "Round", "RoundMemory", "CALIBRATIONS", "RULES", "calibrated_probs", "best_prefix",
+           "truncate_tree", "forget_shared_memory"]
 
 
 # ---------------------------------------------------------------------------------------------------- the policy
@@ -377,24 +184,29 @@ def calibrated_probs(log_p: np.ndarray, depths: np.ndarray, rounds, method: str,
 
 
 class AutoBudget:
-    """Per-round tree size that maximizes committed tokens per second under a measured cost curve.
+    """Per-round tree size that maximizes committed tokens per second under the machine's cost curve.
 
     Each round the best-first tree is built up to ``cap`` nodes (``chain=True``: the drafter's top-1 chain, i.e. a
     DFlash block of chosen length), the nodes' acceptance probabilities are estimated (``calibrate``: see
     :func:`calibrated_probs`) and the prefix to verify is chosen by ``rule`` (see :func:`best_prefix`; the marginal
-    rule uses the committed tokens per modeled second of the rounds remembered so far as its rate). Nothing here
-    reads a clock: given the same drafter logits and feedback the choices are the same (replayable).
+    rule uses the committed tokens per modeled second of the rounds remembered so far as its rate).
 
-    ``memory``: the rounds learnt from (a :class:`RoundMemory` of at most ``window`` rounds). :meth:`for_models`
-    shares one memory between the generations of the same target, drafter, machine, temperature and policy kind in a
-    process, so a new prompt starts calibrated. Neither calibration nor the rule ever changes the output, only the tree size.
+    ``cost``: the measured curve (:mod:`ddtree.cost`). ``clock`` (e.g. ``time.perf_counter``; what
+    :meth:`for_models` passes): the policy times its rounds -- the clock between consecutive :meth:`propose` calls
+    spans one whole round (tree, verify, commit, the next draft) of the previous proposal's size -- and corrects the
+    curve with them (``online_cost``, an :class:`~ddtree.cost.OnlineCost`, fresh by default). Without a clock (the
+    default) nothing here reads one: given the same drafter logits and feedback the choices are the same
+    (replayable). ``memory``: the rounds learnt from (a :class:`RoundMemory` of at most ``window`` rounds).
+    ``calibration_s``: seconds :meth:`for_models` spent measuring the curve (0.0 when it was cached).
+    Neither calibration, the rule nor the curve ever changes the output, only the tree size.
     """
 
     uses_draft = True
 
     def __init__(self, cost: CostModel, cap: int = 128, calibrate: bool | str = True, window: int = 256,
                  rule: str = "marginal", chain: bool = False, memory: RoundMemory | None = None,
-                 warmup: int = 4) -> None:
+                 warmup: int = 4, clock: Callable[[], float] | None = None,
+                 online_cost: OnlineCost | None = None) -> None:
         if cap < 0:
             raise ValueError(f"cap must be >= 0, got {cap}")
         method = (DEFAULT_CALIBRATION if calibrate else "none") if isinstance(calibrate, bool) else calibrate
@@ -406,29 +218,48 @@ class AutoBudget:
         self.name = "chain-auto" if chain else "auto"
         self.memory = memory if memory is not None else RoundMemory(window)
         self.warmup = warmup
-        self._seconds = np.asarray(cost.round_seconds(np.arange(cap + 1)), dtype=float)  # per tree size, once
+        self.clock = clock
+        self.online_cost = online_cost if online_cost is not None or clock is None else OnlineCost(cost)
+        self.calibration_s = 0.0
+        self._seconds = self._round_seconds()  # [cap + 1] modeled seconds per tree size
         self._pending: tuple[np.ndarray, np.ndarray, float] | None = None
+        self._timing: list | None = None  # [clock at the last propose, its size, history length, tokens committed]
         self.chosen: list[int] = []  # tree size picked each round (for studies)
 
     @classmethod
     def for_models(cls, target, draft, cap: int | None = None, calibrate: bool | str = True,
                    cost: CostModel | None = None, context: int | None = None, profile: str | Path | None = None,
                    rule: str = "marginal", chain: bool = False, temperature: float = 0.0,
-                   shared: bool = True, window: int = 256) -> "AutoBudget":
+                   share_memory: bool = True, window: int = 256, online: bool = True) -> "AutoBudget":
         """The policy with the cost curve of ``target`` + ``draft`` on this machine: ``cost`` if given, else the
-        curve of a GPU ``profile`` (``experiments.gpu_check``), else measured (once, then cached) on a cache of
-        ``context_bucket(context)`` tokens (``context``: the prompt length; default 256). ``shared``: continue the
-        memory of earlier generations with the same models, machine, ``temperature``, cap, rule and kind."""
+        curve of a GPU ``profile`` (``experiments.gpu_check``), else the cached curve of ``context_bucket(context)``
+        tokens (``context``: the prompt length; default 256) -- derived from the buckets :func:`ddtree.cost.calibrate`
+        measured when that one is not cached, measured now (``calibration_s``, logged) when none is.
+        ``online``: correct the curve from the policy's own round timings. ``share_memory``: continue the round
+        memory (same models, machine, ``temperature``, cap, rule and kind) and the online curve (same models,
+        measured curve, cap and kind) of earlier generations in this process; False for reproducible tree sizes
+        (see the module doc)."""
         cap = cap if cap is not None else default_cap(target.lm_head.weight.device)
         if cost is None and profile is not None:
             cost = CostModel.from_profile(profile, context=context)
         if cost is None:
-            cost = measure_cost_model(target, draft, context=context_bucket(context) if context else 256, cap=cap)
-        memory = None
-        if shared:
+            cost = measure_cost_model(target, draft, context=context_bucket(context) if context else 256, cap=cap,
+                                      chain=chain, extrapolate=True)
+        memory = curve = None
+        if share_memory:
             key = (cost.key or id(target), id(draft), float(temperature), cap, rule, chain, str(calibrate))
             memory = _SHARED_MEMORY.setdefault(key, RoundMemory(window))
-        return cls(cost, cap=cap, calibrate=calibrate, rule=rule, chain=chain, memory=memory)
+            if online:
+                curve = _SHARED_CURVES.setdefault((cost, id(target), id(draft), cap, chain), OnlineCost(cost))
+        policy = cls(cost, cap=cap, calibrate=calibrate, window=window, rule=rule, chain=chain, memory=memory,
+                     clock=time.perf_counter if online else None, online_cost=curve)
+        policy.calibration_s = cost.measured_s
+        return policy
+
+    @property
+    def curve(self) -> CostModel:
+        """The cost curve the policy prices rounds with now: the online one when it times rounds, else ``cost``."""
+        return self.online_cost.curve if self.online_cost is not None else self.cost
 
     @property
     def beta(self) -> float:
@@ -446,6 +277,8 @@ class AutoBudget:
         """Feed back the round just verified: how many draft tokens the target accepted and (when known) which
         nodes (indices into the proposal). Without ``path`` the accepted nodes are taken as the best-first
         tree's most probable node at each depth up to the accepted count (exact for a chain)."""
+        if self._timing is not None:
+            self._timing[3] = accepted_draft_tokens + 1  # with the bonus: the history grows by this much
         if self._pending is None:
             return
         log_p, depths, seconds = self._pending
@@ -460,35 +293,71 @@ class AutoBudget:
                     accepted[at[np.argmax(log_p[at])]] = True
         self.memory.append(Round(log_p, depths, accepted, seconds))
 
-    def propose(self, draft_logits: torch.Tensor, history: list[int]):
-        if self.chain:
-            from dflash_core.decoding import Chain
+    def propose(self, draft_logits: torch.Tensor, history: list[int], token_map: torch.Tensor | None = None):
+        """The prefix of the best-first tree (or chain) worth verifying this round. ``token_map`` [V]: logit column
+        j is target token ``token_map[j]`` (None: column j is token j)."""
+        now = self.start_round(history)
+        full, probs = self.candidates(draft_logits, history, token_map)
+        n = self.choose(probs)
+        self.remember(full.log_probs.double().numpy()[:n], full.depths.numpy()[:n], n, now, len(history))
+        return truncate_tree(full, n)  # a chain's prefix is a chain: verified without a mask
 
-            full = Chain().propose(draft_logits[: self.cap], history)
-            log_p = full.log_probs.double().numpy()
-            depths = np.arange(1, len(log_p) + 1)
+    # The four steps of a round, public so that a policy can add candidates of its own (``ddtree.lookup``).
+    def start_round(self, history: list[int]) -> float | None:
+        """Read the clock (when the policy times rounds) and close the previous round's timing."""
+        now = self.clock() if self.clock is not None else None
+        if now is not None:
+            self._time_round(now, len(history))
+        return now
+
+    def candidates(self, draft_logits: torch.Tensor, history: list[int], token_map: torch.Tensor | None = None
+                   ) -> tuple[DraftTree, np.ndarray]:
+        """The drafter's best tree (or chain) at the cap and its nodes' calibrated acceptance probabilities."""
+        if self.chain:
+            full = Chain().propose(draft_logits[: self.cap], history, token_map=token_map)
         else:
-            full = build_tree(draft_logits, self.cap)
-            log_p = full.log_probs.double().numpy()
-            depths = full.depths.numpy()
+            full = build_tree(draft_logits, self.cap, token_map=token_map)
         ready = len(self.memory) >= self.warmup
-        probs = calibrated_probs(log_p, depths, self.memory if ready else (), self.calibrate)
-        n = best_prefix(probs, self.cost, self.rate if self.rule == "marginal" else None, self._seconds)
+        probs = calibrated_probs(full.log_probs.double().numpy(), full.depths.numpy(), self.memory if ready else (),
+                                 self.calibrate)
+        return full, probs
+
+    def choose(self, probs: np.ndarray) -> int:
+        """How many of the nodes (in the order of ``probs``, a valid tree order) to verify."""
+        return best_prefix(probs, self.curve, self.rate if self.rule == "marginal" else None, self._seconds)
+
+    def remember(self, log_p: np.ndarray, depths: np.ndarray, n: int, now: float | None, length: int) -> None:
+        """Book the round: ``n`` nodes verified, of which the drafter's have these log-probs and depths (what
+        :meth:`observe` learns from), its modeled seconds, and the clock for the online curve."""
         self.chosen.append(n)
-        self._pending = (log_p[:n], depths[:n], float(self._seconds[n]))
-        if self.chain:
-            from dflash_core.decoding import ChainProposal
+        self._pending = (log_p, depths, float(self._seconds[n]))
+        if now is not None:
+            self._timing = [now, n, length, None]
 
-            return ChainProposal(full.token_ids[:n], full.log_probs[:n])
-        return truncate_tree(full, n)
+    def _time_round(self, now: float, length: int) -> None:
+        """The previous round ended now: feed its wall time to the online curve when it was one round of the same
+        generation (observed, and the history grew by exactly what it committed); else it spanned other work."""
+        last, self._timing = self._timing, None
+        if last is None or last[3] is None or length != last[2] + last[3] or self.online_cost is None:
+            return
+        before = self.online_cost.curve
+        self.online_cost.observe(last[1], now - last[0])
+        if self.online_cost.curve is not before:  # rebuilt: it moved by more than its tolerance
+            self._seconds = self._round_seconds()
+
+    def _round_seconds(self) -> np.ndarray:
+        return np.asarray(self.curve.round_seconds(np.arange(self.cap + 1)), dtype=float)
 
 
-_SHARED_MEMORY: dict[tuple, RoundMemory] = {}
+_SHARED_MEMORY: dict[tuple, RoundMemory] = {}  # what for_models policies learnt, per models and policy kind
+_SHARED_CURVES: dict[tuple, OnlineCost] = {}  # their online cost curves, per measured curve, models, kind
 
 
 def forget_shared_memory() -> None:
-    """Drop what ``AutoBudget.for_models`` policies learnt in this process (tests, or a changed workload)."""
+    """Drop what ``AutoBudget.for_models`` policies learnt in this process: round memories and online cost curves
+    (tests, a changed workload, or a reproducible run after others)."""
     _SHARED_MEMORY.clear()
+    _SHARED_CURVES.clear()
 
 
 def _fit_beta(history) -> float:

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ddtree.tree import ROOT, DraftTree
+from dflash_core.tree import ROOT, DraftTree
 
 CHUNK = 64  # tokens per chunk whose maximum is taken on the device
 MIN_CHUNKED_VOCAB = 16 * CHUNK  # below this the candidate search is not worth it: take complete top-K rows
@@ -82,15 +82,20 @@ class SelectedNodes:
     depths: np.ndarray  # [n] int64
     log_probs: np.ndarray  # [n] float64
 
-    def to_tree(self) -> DraftTree:
-        return DraftTree(torch.from_numpy(self.token_ids), torch.from_numpy(self.parents),
-                         torch.from_numpy(self.depths), torch.from_numpy(self.log_probs))
+    def to_tree(self, token_map: torch.Tensor | None = None) -> DraftTree:
+        """The DraftTree; ``token_map`` ([V] column -> token id) turns logit columns into token ids."""
+        tokens = torch.from_numpy(self.token_ids)
+        if token_map is not None:
+            tokens = token_map.cpu()[tokens]
+        return DraftTree(tokens, torch.from_numpy(self.parents), torch.from_numpy(self.depths),
+                         torch.from_numpy(self.log_probs))
 
 
 # ---------------------------------------------------------------------------------------------- inputs
 
 
-def _check_inputs(draft_logits: torch.Tensor, budget: int) -> tuple[int, int, int]:
+def _check_inputs(draft_logits: torch.Tensor, budget: int, token_map: torch.Tensor | None = None
+                  ) -> tuple[int, int, int]:
     """Validate the arguments of the builders; returns (depth, vocab, budget as int)."""
     if not isinstance(draft_logits, torch.Tensor):
         raise TypeError(f"draft_logits must be a torch.Tensor, got {type(draft_logits).__name__}")
@@ -104,6 +109,9 @@ def _check_inputs(draft_logits: torch.Tensor, budget: int) -> tuple[int, int, in
         raise TypeError(f"budget must be an int, got {type(budget).__name__}")
     if budget < 0:
         raise ValueError(f"budget must be >= 0, got {budget}")
+    if token_map is not None and tuple(token_map.shape) != (draft_logits.shape[1],):
+        raise ValueError(f"token_map must give one token id per logit column ({draft_logits.shape[1]}), got shape "
+                         f"{tuple(token_map.shape)}")
     return int(draft_logits.shape[0]), int(draft_logits.shape[1]), int(budget)
 
 
@@ -174,17 +182,17 @@ def _best_first_heap(values: list[list[float]], tokens: list[list[int]], budget:
                          np.array(out_depths, dtype=np.int64), np.array(out_scores, dtype=np.float64))
 
 
-def reference_build_tree(draft_logits: torch.Tensor, budget: int) -> DraftTree:
+def reference_build_tree(draft_logits: torch.Tensor, budget: int, token_map: torch.Tensor | None = None) -> DraftTree:
     """Plain DDTree construction: full-vocabulary log-softmax, top-K per row (K = min(budget, vocab)), heap loop.
 
     Readable and obviously right; the oracle for ``build_tree`` and the baseline of ``experiments.bench_tree``.
     """
-    depth, vocab, budget = _check_inputs(draft_logits, budget)
+    depth, vocab, budget = _check_inputs(draft_logits, budget, token_map)
     if budget == 0 or depth == 0:
         return DraftTree.empty()
     log_probs = _log_softmax(draft_logits.detach())  # [depth, vocab]
     top_values, top_tokens = _top_k_rows(log_probs, min(budget, vocab))  # [depth, K] each, best first
-    return _best_first_heap(top_values.tolist(), top_tokens.tolist(), budget).to_tree()
+    return _best_first_heap(top_values.tolist(), top_tokens.tolist(), budget).to_tree(token_map)
 
 
 # ---------------------------------------------------------------------------------------------- stage 1: candidates
@@ -330,8 +338,7 @@ def _select_by_levels(candidates: Candidates, budget: int) -> SelectedNodes | No
     parents = values[: kept_per_row[0]]  # [n_d] scores of the kept prefixes of the current depth
     scores = [parents]  # per depth
     masks = [np.ones(parents.size, dtype=bool)]  # per depth: flattened [k_d, parents] mask of kept children
-    # per depth: first mask position, parents (columns), index of the previous depth's first prefix, row start
-    layout = [(0, 1, ROOT, 0)]
+    layout = [(0, 1, ROOT, 0)]  # per depth: first mask position, parents (columns), previous first prefix, row start
     parent_maps = []  # (depth index, the parents that were expanded) where only some of them were
     total = mask_total = parents.size
     previous_first = 0
@@ -413,22 +420,26 @@ def _selected_empty() -> SelectedNodes:
 # ---------------------------------------------------------------------------------------------- entry point
 
 
-def build_tree(draft_logits: torch.Tensor, budget: int) -> DraftTree:
+def build_tree(draft_logits: torch.Tensor, budget: int, token_map: torch.Tensor | None = None) -> DraftTree:
     """The DDTree draft tree: the ``budget`` most probable prefixes under the draft's factorized distribution.
 
     Args:
         draft_logits: [depth, vocab] float tensor (any float dtype, CPU or CUDA); row d gives the draft's logits for
             the token at depth d+1 below the root. Log-probs are computed in float32.
         budget: maximum number of tree nodes, an int >= 0. The tree has min(budget, number of prefixes) nodes.
+        token_map: optional [vocab] int64 tensor, the token id of each logit column (compact logits over a
+            drafter's reduced draft vocabulary); the tree's ``token_ids`` are then ``token_map[column]``. Ties
+            between equal log-probs are broken by column, so the tree equals the one built from full-vocabulary
+            logits (-inf outside the subset) up to the order of exactly tied tokens.
 
     Returns:
         A CPU DraftTree in best-first order, identical to ``reference_build_tree(draft_logits, budget)``.
     """
-    depth, _, budget = _check_inputs(draft_logits, budget)
+    depth, _, budget = _check_inputs(draft_logits, budget, token_map)
     if budget == 0 or depth == 0:
         return DraftTree.empty()
     draft_logits = draft_logits.detach()
     selected = select_prefixes(top_candidates(draft_logits, budget), budget)
     if selected is None:  # candidate rows too short to be sure: redo with complete top-K rows
         selected = select_prefixes(top_candidates(draft_logits, budget, complete=True), budget)
-    return selected.to_tree()
+    return selected.to_tree(token_map)

@@ -30,13 +30,28 @@ from dflash_core import Chain, GenerationResult, speculative_generate
 from dflash_core.decoding import validate_request
 from dflash_core.target import check_tree_attention
 
+from .budget import AutoBudget
 from .build import build_tree
+from .lookup import LookupTree
 from .sampled import SampledTree
-from .tree import DraftTree
+from dflash_core.tree import DraftTree
 
-__all__ = ["FixedBudget", "TREE_KINDS", "check_verifiable", "ddtree_generate", "make_policy"]
+__all__ = ["BUDGET_WORDS", "FixedBudget", "TREE_KINDS", "check_verifiable", "ddtree_generate", "make_policy",
+           "parse_budget"]
 
 TREE_KINDS = ("topk", "sampled")
+BUDGET_WORDS = ("chain", "auto", "chain-auto")  # the policies a string budget names
+
+
+def parse_budget(budget) -> int | str:
+    """The one check of a ``budget`` argument: an int >= 0 (numpy ints too) or one of :data:`BUDGET_WORDS`."""
+    if isinstance(budget, str):
+        if budget not in BUDGET_WORDS:
+            raise ValueError(f"unknown budget policy {budget!r}: use an int >= 0 or one of {', '.join(BUDGET_WORDS)}")
+        return budget
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget < 0:
+        raise ValueError(f"budget must be an int >= 0 or one of {', '.join(BUDGET_WORDS)}, got {budget!r}")
+    return int(budget)
 
 
 class FixedBudget:
@@ -45,13 +60,14 @@ class FixedBudget:
     uses_draft = True
 
     def __init__(self, budget: int) -> None:
-        if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget < 0:
-            raise ValueError(f"budget must be a non-negative int, 'chain' or 'auto', got {budget!r}")
-        self.budget = int(budget)
+        self.budget = parse_budget(budget)
+        if not isinstance(self.budget, int):
+            raise ValueError(f"FixedBudget needs an int budget >= 0, got {budget!r}")
         self.name = f"fixed-{budget}"
 
-    def propose(self, draft_logits: torch.Tensor, history: list[int]) -> DraftTree:
-        return build_tree(draft_logits, self.budget)
+    def propose(self, draft_logits: torch.Tensor, history: list[int], token_map: torch.Tensor | None = None
+                ) -> DraftTree:
+        return build_tree(draft_logits, self.budget, token_map=token_map)
 
 
 def make_policy(budget, target=None, draft=None, tree: str = "topk", temperature: float = 0.0, seed: int = 0,
@@ -64,10 +80,11 @@ def make_policy(budget, target=None, draft=None, tree: str = "topk", temperature
     they map the draft logits' columns when the loop hands over logits over those V' ids only (logits over the full
     target vocabulary, -inf outside the subset, need no map: those tokens get q = 0).
     """
+    budget = parse_budget(budget)
     if tree not in TREE_KINDS:
         raise ValueError(f"unknown tree kind {tree!r}: use one of {TREE_KINDS}")
     if tree == "sampled":
-        if isinstance(budget, bool) or not isinstance(budget, numbers.Integral):
+        if isinstance(budget, str):
             raise ValueError(f"tree='sampled' needs an int budget >= 0, got {budget!r}")
         if temperature > 0:
             token_map = getattr(draft, "d2t", None)
@@ -77,12 +94,8 @@ def make_policy(budget, target=None, draft=None, tree: str = "topk", temperature
     if budget == "chain":
         return Chain()
     if budget in ("auto", "chain-auto"):
-        from .budget import AutoBudget
-
         return AutoBudget.for_models(target, draft, chain=budget == "chain-auto", temperature=temperature,
                                      **auto_options)
-    if isinstance(budget, str):
-        raise ValueError(f"unknown budget policy {budget!r}: use an int >= 0, 'chain', 'auto' or 'chain-auto'")
     return FixedBudget(budget)
 
 
@@ -103,8 +116,9 @@ def check_verifiable(target, draft, budget: int, max_context: int) -> None:
     position pair where the kernel materialises the scores, plus the mask. Above a quarter of the memory at hand
     that forward would exhaust it; the error names the largest budget that fits (the DDTree paper sweeps 16-1024).
     """
-    if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget < 0:
-        raise ValueError(f"budget must be an int >= 0, 'chain', 'auto' or 'chain-auto', got {budget!r}")
+    budget = parse_budget(budget)
+    if isinstance(budget, str):
+        return  # a policy word: its trees are sized per round (``auto``) or are chains
     depth = (draft.block_size - 1) if draft is not None else 15
     vocab = (draft.config.draft_vocab_size or draft.config.vocab_size) if draft is not None else budget
     nodes, level = 0, 1
@@ -132,7 +146,7 @@ def ddtree_generate(
     target,
     draft,
     input_ids: torch.Tensor,
-    budget: int | str = 32,
+    budget: int | str | None = None,
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     stop_token_ids: Sequence[int] | None = None,
@@ -142,6 +156,7 @@ def ddtree_generate(
     policy=None,
     tree: str = "topk",
     lookup: bool = False,
+    check_trees: bool = False,
 ) -> GenerationResult:
     """Speculative decoding with a DDTree draft tree per round; the output is exactly the target's.
 
@@ -150,34 +165,40 @@ def ddtree_generate(
     ``result.expected_acceptance`` / ``result.acceptance_lengths`` give per-round tree size, the drafter's expected
     and the actual committed tokens; ``trace=True`` keeps every round's tree in ``result.trees``. ``policy``
     overrides ``budget`` and ``tree`` with any object implementing dflash_core's ProposalPolicy. ``budget="auto"``
-    (and ``"chain-auto"``) measures its cost curve at the prompt's length (rounded up to a power of two; cached per machine and model).
+    (and ``"chain-auto"``) prices trees with this machine's round-cost curve at the prompt's length (cached per
+    machine and model; :func:`ddtree.cost.calibrate` measures every context bucket up front); a call that had to
+    measure says so in ``result.timings["calibration"]`` (seconds) and one log line.
     Trees need a target whose attention backend applies a 4D mask (SDPA, eager, flex): anything else raises
     ``IncompatibleModelError``; ``budget="chain"`` and ``"chain-auto"`` run on any backend.
 
-    ``lookup=True`` (an int budget, top-K trees) merges the context's n-gram continuation into each round's tree under
-    the same budget (:mod:`ddtree.lookup`); ``result.lookup_tokens`` then gives per round the committed tokens that
-    lay on that continuation.
+    ``budget`` defaults to 32 nodes; ``policy`` replaces ``budget``/``tree``/``lookup`` (passing both is refused).
+    ``check_trees=True`` validates every proposed tree before it is verified (for developing a policy).
+
+    ``lookup=True`` (an int budget or ``"auto"``, top-K trees) merges the context's n-gram continuation into each
+    round's tree under the same budget (:mod:`ddtree.lookup`); ``result.lookup_tokens`` then gives per round the
+    committed tokens that lay on that continuation.
     """
     validate_request(input_ids, max_new_tokens, temperature)  # before any work (``auto`` measures a cost curve)
-    if policy is None and not isinstance(budget, str):
+    if policy is not None and (budget is not None or tree != "topk" or lookup):
+        raise ValueError("policy= decides the trees itself: pass either policy= or budget=/tree=/lookup=, not both")
+    budget = parse_budget(32 if budget is None else budget) if policy is None else None
+    if policy is None:
         check_verifiable(target, draft, budget, int(input_ids.shape[1]) + max_new_tokens)
     chain = isinstance(policy, Chain) or getattr(policy, "chain", False) is True
     if not chain and (policy is not None or budget not in ("chain", "chain-auto")):
         check_tree_attention(target)  # before any work: a tree needs a backend that applies the 4D mask
-    if lookup:
-        if policy is not None or isinstance(budget, str) or tree != "topk":
-            raise ValueError("lookup=True builds its own policy from an int budget and top-K trees: pass budget=<int> "
-                             "and tree='topk', without policy=")
-        from .lookup import LookupTree
-
-        policy = LookupTree(budget)
-        result = speculative_generate(target, draft, input_ids, policy, max_new_tokens, temperature, stop_token_ids,
-                                      seed, block_size=block_size, trace=trace)
-        result.lookup_tokens = policy.lookup_committed
-        return result
+    if lookup and (budget in ("chain", "chain-auto") or tree != "topk"):
+        raise ValueError("lookup=True merges the context's continuation into top-K trees: pass an int budget or "
+                         "'auto', and tree='topk'")
     if policy is None:
-        context = int(input_ids.shape[-1]) if isinstance(input_ids, torch.Tensor) else None
+        context = int(input_ids.shape[-1])
         policy = make_policy(budget, target, draft, tree=tree, temperature=temperature, seed=seed,
                              **({"context": context} if budget in ("auto", "chain-auto") else {}))
-    return speculative_generate(target, draft, input_ids, policy, max_new_tokens, temperature, stop_token_ids, seed,
-                                block_size=block_size, trace=trace)
+        policy = LookupTree(policy if budget == "auto" else budget) if lookup else policy
+    result = speculative_generate(target, draft, input_ids, policy, max_new_tokens, temperature, stop_token_ids, seed,
+                                  block_size=block_size, trace=trace, check_trees=check_trees)
+    if getattr(policy, "calibration_s", 0.0):  # ``auto`` measured its cost curve inside this call
+        result.timings["calibration"] = policy.calibration_s
+    if lookup:
+        result.lookup_tokens = policy.lookup_committed
+    return result

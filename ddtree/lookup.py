@@ -26,27 +26,37 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from dflash_core.lookup import NgramIndex
+from dflash_core.tree import ROOT, DraftTree
 
+from .budget import AutoBudget, truncate_tree
 from .build import build_tree
-from .tree import ROOT, DraftTree
 
 __all__ = ["LookupTree", "merge_lookup"]
 
 
-def merge_lookup(tree: DraftTree, continuation: list[int], estimates: list[float], budget: int) -> tuple[DraftTree, list[int]]:
-    """The ``budget`` best nodes of the union of ``tree`` (values exp(log_probs)) and the chain ``continuation``
-    (values ``estimates``, non-increasing); returns the merged tree and, per continuation depth that made it into
-    the tree, the node index carrying it."""
+def merge_lookup(tree: DraftTree, continuation: list[int], estimates: list[float], budget: int,
+                 values: np.ndarray | None = None) -> tuple[DraftTree, list[int], list[int]]:
+    """The ``budget`` best nodes of the union of ``tree`` and the chain ``continuation``.
+
+    ``values``: the drafter nodes' values (default exp(log_probs); ``auto`` passes its calibrated acceptance
+    probabilities), clipped to their parent's so that a child never outranks its parent; ``estimates``: the
+    continuation's (non-increasing). Returns the merged tree (log_probs = log of the values), per continuation depth
+    that made it into the tree the node index carrying it, and per merged node the index of the drafter node it came
+    from (-1: a lookup node only)."""
     nodes: dict[tuple[int, ...], float] = {}
+    origin: dict[tuple[int, ...], int] = {}
     paths: list[tuple[int, ...]] = []
+    drafter = np.exp(tree.log_probs.double().numpy()) if values is None else np.asarray(values, dtype=float)
     for i in range(len(tree)):  # the drafter's nodes; parents come first, so their paths are known
         parent = int(tree.parents[i])
         path = (paths[parent] if parent != ROOT else ()) + (int(tree.token_ids[i]),)
         paths.append(path)
-        nodes[path] = math.exp(float(tree.log_probs[i]))
+        nodes[path] = min(float(drafter[i]), nodes[paths[parent]]) if parent != ROOT else float(drafter[i])
+        origin[path] = i
     chain = tuple(int(t) for t in continuation)
     for k, value in enumerate(estimates, start=1):
         path = chain[:k]
@@ -58,26 +68,38 @@ def merge_lookup(tree: DraftTree, continuation: list[int], estimates: list[float
         merged = DraftTree(torch.tensor([p[-1] for p in chosen], dtype=torch.long),
                            torch.tensor(parents, dtype=torch.long), torch.tensor([len(p) for p in chosen]),
                            torch.tensor([math.log(max(nodes[p], 1e-300)) for p in chosen], dtype=torch.float64))
-    return merged, [index[chain[:k]] for k in range(1, len(estimates) + 1) if chain[:k] in index]
+    placed = [index[chain[:k]] for k in range(1, len(estimates) + 1) if chain[:k] in index]
+    return merged, placed, [origin.get(p, -1) for p in chosen]
 
 
 class LookupTree:
-    """Proposal policy: the DDTree of ``budget`` nodes with the context's continuation merged in (module docstring).
+    """Proposal policy: the DDTree with the context's continuation merged in (module docstring), under a fixed node
+    ``budget`` (an int) or sized per round by an :class:`~ddtree.budget.AutoBudget` (``budget=AutoBudget(...)``):
+    ``auto`` then ranks its calibrated drafter nodes and the lookup nodes together and chooses how many of the
+    merged best-first list to verify with its cost curve; it learns its calibration from the drafter's nodes only.
 
-    ``stats`` per round: match length, continuation tokens proposed and placed in the tree, and (after the walk)
-    how many committed tokens were lookup nodes (``lookup_committed``).
+    ``lookup_committed``: per round, how many committed tokens were lookup nodes.
     """
 
     uses_draft = True
 
-    def __init__(self, budget: int, max_ngram: int = 3, num_tokens: int = 10) -> None:
-        self.budget, self.max_ngram, self.num_tokens = int(budget), max_ngram, num_tokens
-        self.name = f"lookup-tree-{budget}"
+    def __init__(self, budget: int | AutoBudget, max_ngram: int = 3, num_tokens: int = 10) -> None:
+        self.auto = budget if isinstance(budget, AutoBudget) else None
+        if self.auto is not None and self.auto.chain:
+            raise ValueError("lookup branches join trees: use budget='auto', not 'chain-auto'")
+        self.budget = self.auto.cap if self.auto is not None else int(budget)
+        self.max_ngram, self.num_tokens = max_ngram, num_tokens
+        self.name = "lookup-auto" if self.auto is not None else f"lookup-tree-{budget}"
         self.index = NgramIndex(max_ngram)
         # per match length n and depth k: [accepted given depth k-1 accepted, trials]
         self.counts = [[[0, 0] for _ in range(num_tokens + 1)] for _ in range(max_ngram + 1)]
         self._round: tuple[int, list[int]] | None = None  # (match length, node index per continuation depth)
+        self._drafter_nodes: dict[int, int] | None = None  # auto: merged node -> position among the drafter's
         self.lookup_committed: list[int] = []
+
+    @property
+    def calibration_s(self) -> float:
+        return self.auto.calibration_s if self.auto is not None else 0.0
 
     def estimates(self, n: int, m: int) -> list[float]:
         """a_n(1..m): the learned probability that the target accepts a match-length-n continuation through depth k."""
@@ -88,19 +110,42 @@ class LookupTree:
             out.append(a)
         return out
 
-    def propose(self, draft_logits: torch.Tensor, history: list[int]) -> DraftTree:
+    def propose(self, draft_logits: torch.Tensor, history: list[int], token_map: torch.Tensor | None = None
+                ) -> DraftTree:
         self.index.follow(history)
-        tree = build_tree(draft_logits, self.budget)
         n, continuation = self.index.continuation(self.num_tokens)
-        if n == 0 or not continuation or self.budget == 0:
+        estimates = self.estimates(n, len(continuation)) if n and continuation else []
+        if self.auto is not None:
+            return self._propose_auto(draft_logits, history, token_map, n, continuation, estimates)
+        tree = build_tree(draft_logits, self.budget, token_map=token_map)
+        if not estimates or self.budget == 0:
             self._round = None
             return tree
-        merged, placed = merge_lookup(tree, continuation, self.estimates(n, len(continuation)), self.budget)
+        merged, placed, _ = merge_lookup(tree, continuation, estimates, self.budget)
         self._round = (n, placed)
         return merged
 
+    def _propose_auto(self, draft_logits, history, token_map, n, continuation, estimates) -> DraftTree:
+        auto = self.auto
+        now = auto.start_round(history)
+        full, probs = auto.candidates(draft_logits, history, token_map)
+        merged, placed, origin = merge_lookup(full, continuation, estimates, auto.cap, values=probs)
+        size = auto.choose(np.exp(merged.log_probs.numpy()))
+        kept = [o for o in origin[:size] if o >= 0]  # the drafter's nodes among those verified
+        self._drafter_nodes = {i: j for j, i in enumerate(i for i in range(size) if origin[i] >= 0)}
+        auto.remember(full.log_probs.double().numpy()[kept], full.depths.numpy()[kept], size, now, len(history))
+        leading = 0
+        while leading < len(placed) and placed[leading] < size:  # the continuation's nodes that stay (a prefix)
+            leading += 1
+        self._round = (n, placed[:leading]) if leading else None
+        return truncate_tree(merged, size)
+
     def observe(self, accepted: int, path: list[int]) -> None:
-        """Learn from the walk: how deep along the continuation's nodes the accepted path went."""
+        """Learn from the walk: how deep along the continuation's nodes the accepted path went (and, under
+        ``auto``, which of the drafter's nodes were accepted)."""
+        if self.auto is not None:
+            mine = [self._drafter_nodes[i] for i in path if i in self._drafter_nodes]
+            self.auto.observe(accepted, mine)
         if self._round is None:
             self.lookup_committed.append(0)
             return

@@ -37,7 +37,7 @@ import torch
 
 from dflash_core.decoding import follow
 
-from .tree import ROOT, DraftTree
+from dflash_core.tree import ROOT, DraftTree
 
 __all__ = ["RecursiveRejection", "SampledDraftTree", "SampledTree", "sample_tree"]
 
@@ -291,10 +291,13 @@ class SampledTree:
             token = int(np.flatnonzero(rest)[-1])
         return token
 
-    def propose(self, draft_logits: torch.Tensor, history: list[int] | None = None) -> SampledDraftTree:
-        """draft_logits: [depth, V'] (row d-1 drafts depth d); returns a SampledDraftTree of <= budget nodes."""
+    def propose(self, draft_logits: torch.Tensor, history: list[int] | None = None,
+                token_map: torch.Tensor | None = None) -> SampledDraftTree:
+        """draft_logits: [depth, V'] (row d-1 drafts depth d); returns a SampledDraftTree of <= budget nodes.
+        ``token_map`` (the loop's id map of compact logits) overrides the one given at construction."""
         depth, width = draft_logits.shape
-        mapped = self.token_map is not None and width == self.token_map.shape[0]
+        token_map = self.token_map if token_map is None else token_map.to(torch.int64).cpu()
+        mapped = token_map is not None and width == token_map.shape[0]
         if self.budget == 0 or depth == 0:
             return SampledDraftTree.empty()
         rows = _Rows(draft_logits, self.draft_temperature, self.budget)
@@ -337,7 +340,7 @@ class SampledTree:
         proposals = torch.from_numpy(np.stack([rows.prob(r) for r in range(used)]))  # [used, V']
         ids = torch.tensor(tokens, dtype=torch.int64)
         if mapped:
-            ids = self.token_map[ids]
+            ids = token_map[ids]
         depth_t = torch.tensor(depths, dtype=torch.int64)
         rows_of = torch.cat([torch.zeros(1, dtype=torch.int64), depth_t])  # [n+1] root first
         has_children = torch.zeros(len(tokens) + 1, dtype=torch.bool)
@@ -345,7 +348,7 @@ class SampledTree:
         return SampledDraftTree(
             ids, torch.tensor(parents, dtype=torch.int64), depth_t, torch.tensor(scores, dtype=torch.float64),
             proposals=proposals, proposal_rows=torch.where(has_children, rows_of, torch.full_like(rows_of, -1)),
-            token_map=self.token_map if mapped else None, rule=self.rule)
+            token_map=token_map if mapped else None, rule=self.rule)
 
 
 def sample_tree(draft_logits: torch.Tensor, budget: int, temperature: float = 1.0, seed: int = 0,

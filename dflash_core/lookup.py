@@ -16,7 +16,8 @@ from typing import Sequence
 
 import torch
 
-from .decoding import ChainProposal, GenerationResult, speculative_generate
+from .decoding import GenerationResult, speculative_generate
+from .tree import DraftTree
 
 __all__ = ["NgramIndex", "PromptLookup", "lookup_generate"]
 
@@ -85,11 +86,10 @@ class PromptLookup:
         self.name = f"lookup-{max_ngram}x{num_tokens}"
         self.index = NgramIndex(max_ngram)
 
-    def propose(self, draft_logits, history: list[int]) -> ChainProposal:
+    def propose(self, draft_logits, history: list[int]) -> DraftTree:
         self.index.follow(history)
         _, tokens = self.index.continuation(self.num_tokens)
-        ids = torch.tensor(tokens, dtype=torch.long)
-        return ChainProposal(ids, torch.zeros(len(tokens)))  # no draft probabilities: log 1 per node
+        return DraftTree.chain(torch.tensor(tokens, dtype=torch.long))  # no draft probabilities: unknown (NaN)
 
 
 def lookup_generate(target, input_ids: torch.Tensor, max_new_tokens: int = 128, temperature: float = 0.0,

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import torch
 
 from .blocks import block_attention_mask, block_inputs
-from .decoding import ProposalPolicy, observer, truncate_at_stop, verify_walk
+from .decoding import ProposalPolicy, autoregressive_generate, observer, proposer, truncate_at_stop, verify_walk
 from .target import TargetAdapter
 
-__all__ = ["ReplayResult", "draft_hidden_all_rounds", "replay", "replay_policies"]
+__all__ = ["ReplayResult", "draft_hidden_all_rounds", "replay", "replay_policies", "replay_generate"]
 
 
 @dataclass
@@ -96,12 +96,14 @@ def replay(target, draft, policy: ProposalPolicy, ids: torch.Tensor, prompt_len:
     anchor = prompt_len
     result = ReplayResult([], [])
     observe = observer(policy)
+    propose, compact = proposer(policy)
     while not done:
         if anchor - prompt_len >= len(hidden):
             raise ValueError("the continuation ended before max_new_tokens without a stop token: pass the full "
                              "greedy continuation (plain decoding with the same stop tokens and max_new_tokens)")
-        draft_logits = adapter.lm_head(hidden[anchor - prompt_len].to(adapter.device), draft)  # [b-1, V]
-        proposal = policy.propose(draft_logits, history)
+        states = hidden[anchor - prompt_len].to(adapter.device)  # [b-1, H]
+        drafted = adapter.draft_logits(states, draft) if compact else adapter.lm_head(states, draft)  # as the loop
+        proposal = propose(drafted, history)
         # the target's greedy choice after a node at depth d is the continuation's token at anchor + d + 1 (only
         # nodes on the continuation's path are ever reached by the walk); past the end: a token no child carries
         depths = torch.cat([torch.zeros(1, dtype=torch.long), proposal.depths.cpu().long()])
@@ -134,3 +136,22 @@ def replay_policies(target, draft, policies: dict[str, ProposalPolicy], ids: tor
     hidden = draft_hidden_all_rounds(target, draft, ids, prompt_len)
     return {name: replay(target, draft, pol, ids, prompt_len, max_new_tokens, stop_token_ids, hidden)
             for name, pol in policies.items()}
+
+
+def replay_generate(target, draft, input_ids: torch.Tensor, policy: ProposalPolicy | dict[str, ProposalPolicy],
+                    max_new_tokens: int = 128, stop_token_ids: Sequence[int] | None = None):
+    """Replay greedy decoding of a prompt with one policy (or a dict name -> policy) without running the rounds.
+
+    ``input_ids`` is the ``[1, T]`` prompt, as for every ``*_generate`` function; plain greedy decoding runs here to
+    get the continuation, then one drafter pass drafts every round. Returns a :class:`ReplayResult` (a dict of them
+    for a dict of policies) whose acceptance lengths are those the decode loop would see in exact arithmetic.
+    """
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids must be a [1, T] LongTensor (one prompt), got {shape}")
+    plain = autoregressive_generate(target, input_ids, max_new_tokens, 0.0, stop_token_ids)
+    prompt_len = int(input_ids.shape[1])
+    ids = torch.cat([input_ids[0].cpu(), torch.tensor(plain.new_token_ids, dtype=torch.long)])
+    policies = policy if isinstance(policy, dict) else {"policy": policy}
+    results = replay_policies(target, draft, policies, ids, prompt_len, max_new_tokens, stop_token_ids)
+    return results if isinstance(policy, dict) else results["policy"]

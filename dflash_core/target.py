@@ -115,6 +115,14 @@ class TargetAdapter:
             return draft.vocab_logits(hidden, self.model.lm_head.weight)
         return self.model.lm_head(hidden.to(self.dtype)).float()
 
+    def draft_logits(self, hidden: torch.Tensor, draft) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[..., hidden] -> (float32 logits [..., V'] over ``draft``'s draft vocabulary, its id map [V'] on the
+        logits' device); without a draft vocabulary the full head's logits and None (column j is token j)."""
+        if getattr(draft, "draft_vocab", None) is None:
+            return self.lm_head(hidden), None
+        logits, token_map = draft.compact_logits(hidden.to(self.device), self.model.lm_head.weight)
+        return logits, token_map.to(logits.device)
+
     # ------------------------------------------------------------------ cache
     def new_cache(self):
         from transformers import DynamicCache
@@ -217,8 +225,30 @@ def check_tree_attention(target: nn.Module) -> None:
         )
 
 
-def check_compatibility(target: nn.Module, draft) -> None:
-    """Raise :class:`IncompatibleModelError` with a fix-it message when ``draft`` cannot serve ``target``."""
+def check_compatibility(target: nn.Module, draft) -> str:
+    """Raise :class:`IncompatibleModelError` with a fix-it message when ``draft`` cannot serve ``target``; else a
+    short report of the pair (shapes, taps, draft vocabulary, dtypes, trees possible), with a warning line when the
+    drafter's dtype differs from the target's (it runs, but its features are cast and its tau may drop)."""
+    _check_shapes(target, draft)
+    cfg, t_cfg = draft.config, target.config
+    t_dtype = target.lm_head.weight.dtype
+    d_dtype = next(draft.parameters()).dtype
+    backend = getattr(t_cfg, "_attn_implementation", None)
+    trees = backend is None or backend in TREE_MASK_BACKENDS
+    lines = [
+        f"target: {getattr(t_cfg, 'model_type', '?')}, {t_cfg.num_hidden_layers} layers, hidden {t_cfg.hidden_size}, "
+        f"vocab {int(target.lm_head.weight.shape[0])}, {str(t_dtype).removeprefix('torch.')}, attention {backend}",
+        f"drafter: {cfg.num_hidden_layers} layers, block {cfg.block_size}, taps {list(cfg.target_layer_ids)}, "
+        f"draft vocabulary {cfg.draft_vocab_size or 'full'}, {str(d_dtype).removeprefix('torch.')}",
+        f"compatible: yes; trees: {'yes' if trees else 'no (chains only: the backend ignores 4D masks)'}",
+    ]
+    if d_dtype != t_dtype:
+        lines.append(f"warning: drafter dtype {d_dtype} differs from the target's {t_dtype}; "
+                     f"draft.to({t_dtype}) matches them")
+    return "\n".join(lines)
+
+
+def _check_shapes(target: nn.Module, draft) -> None:
     cfg = draft.config
     t_cfg = target.config
     t_hidden = int(getattr(t_cfg, "hidden_size"))

@@ -1,19 +1,39 @@
-"""Per-stage wall time of the decode loop: perf_counter on CPU, CUDA events on CUDA (no sync until the end)."""
+"""Timing and per-machine caches: the decode loop's stage timer, one median-of-repeats timer for measurements, and
+the one JSON cache keyed by the machine that measured speeds are kept in.
+
+* :class:`StageTimer` -- per-stage wall time of the decode loop: perf_counter on CPU, CUDA events on CUDA (no sync
+  until the end);
+* :func:`time_samples` / :func:`median_seconds` -- seconds of repeated calls (several functions interleaved, so
+  machine noise hits all alike): CUDA events on the device's current stream on CUDA, perf_counter elsewhere;
+* :func:`machine_key` / :func:`cached_json` -- a measurement stored under ``cache_root()/<kind>/<name>.json``, its
+  name keyed by :func:`machine_identity` plus what the caller says it depends on; a damaged file is measured again.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import platform
+import statistics
 import time
+import warnings
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import torch
 
-__all__ = ["StageTimer", "cpu_model", "cache_root", "machine_identity", "read_cached_json", "write_cached_json"]
+from .files import write_text_atomic
+
+__all__ = ["StageTimer", "cpu_model", "cache_root", "machine_identity", "machine_key", "cache_path", "cached_json",
+           "read_cached_json", "write_cached_json", "time_samples", "median_seconds"]
+
+T = TypeVar("T")
 
 
+# ---------------------------------------------------------------------------------------------------- caches
 def cache_root() -> Path:
     """Where the toolkit keeps per-machine caches: ``$DDTREE_CACHE``, else ``$XDG_CACHE_HOME/ddtree`` (default
     ``~/.cache/ddtree``)."""
@@ -34,12 +54,39 @@ def machine_identity() -> dict:
             "env": {k: os.environ[k] for k in SPEED_ENVIRONMENT if k in os.environ}}
 
 
+def machine_key(identity: dict) -> str:
+    """16 hex digits naming ``identity`` (what a measurement depends on: models, dtype, device ...) on this machine
+    (:func:`machine_identity` is folded in)."""
+    blob = json.dumps({**machine_identity(), **identity}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def cache_path(kind: str, name: str) -> Path:
+    """The cache file of measurement ``name`` (usually starting with a :func:`machine_key`) of ``kind``."""
+    return cache_root() / kind / f"{name}.json"
+
+
+def cached_json(kind: str, name: str, measure: Callable[[], T], load: Callable[[Any], T | None],
+                dump: Callable[[T], Any] | None = None, use_cache: bool = True) -> T:
+    """``load(raw)`` of the cached measurement, else ``measure()`` (written whole as ``dump(value)``; default: the
+    value itself).
+
+    ``load`` returns None for an entry that does not answer the question (another grid, say): it is measured again
+    and replaced. ``use_cache=False`` measures and writes nothing."""
+    path = cache_path(kind, name)
+    if use_cache:
+        hit = read_cached_json(path, load)
+        if hit is not None:
+            return hit
+    value = measure()
+    if use_cache:
+        write_cached_json(path, value if dump is None else dump(value))
+    return value
+
+
 def read_cached_json(path: Path, check=None):
     """A cache file's JSON (or ``check(raw)``'s result), or None when it is missing or damaged: a damaged file (cut
     off, edited, an older format) is removed with a warning, and the caller measures again."""
-    import json
-    import warnings
-
     if not path.is_file():
         return None
     try:
@@ -53,11 +100,46 @@ def read_cached_json(path: Path, check=None):
 
 
 def write_cached_json(path: Path, obj) -> None:
-    import json
-
-    from .files import write_text_atomic
-
+    """Write a cache file atomically (a concurrent reader sees the old file or the whole new one)."""
     write_text_atomic(path, json.dumps(obj, indent=1))
+
+
+# ---------------------------------------------------------------------------------------------------- measuring
+def time_samples(functions: Sequence[Callable[[], Any]], repeats: int, device: torch.device | str = "cpu",
+                 warmup: int = 0) -> list[list[float]]:
+    """Seconds of each of ``repeats`` calls of every function, after ``warmup`` untimed rounds; the functions are
+    called in turn, so machine noise hits all of them alike. On CUDA each call is timed by a pair of events on the
+    current stream of ``device`` (not of whichever GPU is current: the model may run on another), and the device is
+    synchronised once per repeat; elsewhere by perf_counter."""
+    device = torch.device(device)
+    for _ in range(warmup):
+        for fn in functions:
+            fn()
+    samples: list[list[float]] = [[] for _ in functions]
+    for _ in range(repeats):
+        if device.type == "cuda":
+            stream = torch.cuda.current_stream(device)
+            events = []
+            for fn in functions:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+                fn()
+                end.record(stream)
+                events.append((start, end))
+            torch.cuda.synchronize(device)
+            for times, (start, end) in zip(samples, events):
+                times.append(start.elapsed_time(end) / 1000.0)
+        else:
+            for fn, times in zip(functions, samples):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+    return samples
+
+
+def median_seconds(fn: Callable[[], Any], repeats: int, device: torch.device | str = "cpu", warmup: int = 0) -> float:
+    """Median seconds of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones (see :func:`time_samples`)."""
+    return statistics.median(time_samples([fn], repeats, device, warmup)[0])
 
 
 class StageTimer:
@@ -104,9 +186,6 @@ class StageTimer:
 
 def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo``), or the platform's processor string; every speed figure names it."""
-    import platform
-    from pathlib import Path
-
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

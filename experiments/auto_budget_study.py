@@ -9,7 +9,9 @@ every round with a cost curve, so dozens of policies and curves are compared in 
 * the drafter's states for every round start come from one batched pass per prompt;
 * policies: fixed budgets (the oracle is the best of them per dataset, chosen after the fact), DFlash's chain, and
   ``auto`` with the ratio or the marginal rule and each calibration (``none``, ``power``, ``depth``, ``bucket``), and
-  ``chain-auto``. Adaptive policies keep one memory across the prompts, as in a benchmark process;
+  ``chain-auto``. Adaptive policies keep one memory across the prompts, as in a benchmark process; and your own
+  policy classes (``--policy module:Class``, built with no arguments, once per replayed prompt; see
+  :mod:`experiments.policies`), reported under their ``name``;
 * curves: this machine's measured one (``measure_cost_model``, this dtype), optionally fp32 on this machine
   (``--fp32-curve``), the AMD EPYC fp32 costs measured when issue 11 was filed (its table; and the same with the
   drafter's head scaled to today's 4,096-token draft vocabulary, derived), every GPU profile in
@@ -19,7 +21,7 @@ The projected rate of a policy is sum(committed tokens) / sum(curve's round seco
 compared as ratios to the oracle (the comparison the benchmark makes on measured time). The choice of prompts
 (``--seed``, default 1) differs from the benchmark's (seed 0), so the policy is not tuned on what it is scored on.
 
-    python -m experiments.auto_budget_study --out runs/auto-study [--samples 4 --temperatures 0,1]
+    python -m experiments.auto_budget_study --out runs/auto-study [--samples 4 --temperatures 0,1] [--policy m:Cls]
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ddtree.budget import CALIBRATIONS, RULES, AutoBudget, CostModel, measure_cost_model
+from ddtree.budget import CALIBRATIONS, RULES, AutoBudget
+from ddtree.cost import CostModel, measure_cost_model
 from ddtree.generate import make_policy
+from experiments.policies import PolicyError, make_policy_instance, policy_name
 from experiments.schema import write_json_atomic, write_text_atomic
 
 FIXED = (2, 4, 8, 16, 32, 64)
@@ -85,6 +89,19 @@ def auto_variants() -> list[tuple[str, dict]]:
     return out
 
 
+def user_policies(specs: list[str]) -> dict[str, str]:
+    """{name: "module:Class"} of the user policies asked for; PolicyError for a class that is no policy or a name
+    that another policy of the study already has."""
+    taken = {"chain", *(f"B={b}" for b in FIXED), *(name for name, _ in auto_variants())}
+    out: dict[str, str] = {}
+    for spec in specs:
+        name = policy_name(spec)
+        if name in taken or name in out:
+            raise PolicyError(f"--policy {spec!r}: the name {name!r} is already a policy of this study")
+        out[name] = spec
+    return out
+
+
 def run(args) -> dict:
     from dflash_core.data import build_chat, select_items
     from dflash_core.default import load_default_pair, stop_token_ids
@@ -95,6 +112,7 @@ def run(args) -> dict:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    mine = user_policies(args.policy)
     target, draft, tokenizer = load_default_pair()
     stops = stop_token_ids(tokenizer)
     prompts = [("", name, item.sample_id, build_chat(tokenizer, item.turns[:1]))
@@ -119,6 +137,11 @@ def run(args) -> dict:
                 got = replay(target, draft, policy, full, len(ids), args.max_new_tokens, stops, hidden)
                 rows.append({"dataset": name, "policy": label, "curve": None, "tokens": got.acceptance_lengths,
                              "sizes": got.tree_sizes})
+            for label, spec in mine.items():  # a fresh policy per prompt (experiments.policies)
+                got = replay(target, draft, make_policy_instance(spec), full, len(ids), args.max_new_tokens, stops,
+                             hidden)
+                rows.append({"dataset": name, "policy": label, "curve": None, "tokens": got.acceptance_lengths,
+                             "sizes": got.tree_sizes})
             for (curve, label), policy in adaptive.items():
                 got = replay(target, draft, policy, full, len(ids), args.max_new_tokens, stops, hidden)
                 rows.append({"dataset": name, "policy": label, "curve": curve, "tokens": got.acceptance_lengths,
@@ -127,6 +150,7 @@ def run(args) -> dict:
         results["temperatures"][f"{temperature:g}"] = summarize(rows, cost_curves)
     results["setup"] = {"cpu": cpu_model(), "dtype": str(next(target.parameters()).dtype), "samples": args.samples,
                         "seed": args.seed, "max_new_tokens": args.max_new_tokens, "datasets": list(OFFLINE_DATASETS),
+                        "user_policies": mine,
                         "curves": {k: v[0].to_json() | {"cap": v[1]} for k, v in cost_curves.items()}}
     out = Path(args.out)
     write_json_atomic(out / "auto_budget_study.json", results)
@@ -200,9 +224,15 @@ def main(argv=None) -> None:
     p.add_argument("--fp32-curve", action="store_true", help="also measure this machine's fp32 cost curve")
     p.add_argument("--profiles", default=str(Path(__file__).parent / "profiles"), help="folder of GPU profiles")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--policy", action="append", default=[], metavar="MODULE:CLASS",
+                   help="also replay your own ProposalPolicy class (no-argument constructor; repeatable)")
     args = p.parse_args(argv)
     if args.samples < 1 or args.max_new_tokens < 2:
         p.error("--samples must be >= 1 and --max-new-tokens >= 2")
+    try:
+        user_policies(args.policy)  # before any model work: a clear error for a missing or broken class
+    except PolicyError as err:
+        p.error(str(err))
     results = run(args)
     print(markdown(results))
     print(f"wrote {Path(args.out) / 'auto_budget_study.json'} and .md")

@@ -19,12 +19,12 @@ import json
 import math
 import platform
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 
+from dflash_core.timing import time_samples
 from ddtree.build import _best_first_heap, _log_softmax, _top_k_rows, build_tree, reference_build_tree
 from ddtree.build import select_prefixes, top_candidates
 
@@ -64,18 +64,10 @@ def draft_logits(distribution: str, depth: int, vocab: int, seed: int) -> torch.
     raise ValueError(f"unknown distribution {distribution!r}; choose from {DISTRIBUTIONS}")
 
 
-def time_ms(functions: list[Callable[[], object]], repeats: int, warmup: int = 3) -> list[list[float]]:
-    """Wall times of each function in milliseconds, calling them in turn so that noise hits all of them alike."""
-    for _ in range(warmup):
-        for function in functions:
-            function()
-    samples: list[list[float]] = [[] for _ in functions]
-    for _ in range(repeats):
-        for function, times in zip(functions, samples):
-            start = time.perf_counter()
-            function()
-            times.append((time.perf_counter() - start) * 1e3)
-    return samples
+def time_ms(functions: list[Callable[[], object]], repeats: int, device: str) -> list[list[float]]:
+    """Milliseconds of each call of each function, calling them in turn so that noise hits all of them alike
+    (:func:`dflash_core.timing.time_samples`, after 3 warm-up rounds; CUDA events for logits on CUDA)."""
+    return [[1e3 * t for t in times] for times in time_samples(functions, repeats, device, warmup=3)]
 
 
 def bench_one(distribution: str, vocab: int, budget: int, depth: int, repeats: int, seed: int,
@@ -83,12 +75,12 @@ def bench_one(distribution: str, vocab: int, budget: int, depth: int, repeats: i
     logits = draft_logits(distribution, depth, vocab, seed).to(device)
     fast, reference = build_tree(logits, budget), reference_build_tree(logits, budget)
     reference_ms, fast_ms = map(statistics.median, time_ms([lambda: reference_build_tree(logits, budget),
-                                                            lambda: build_tree(logits, budget)], repeats))
+                                                            lambda: build_tree(logits, budget)], repeats, device))
     candidates = top_candidates(logits, budget)
     values, tokens = _top_k_rows(_log_softmax(logits), min(budget, vocab))
     values, tokens = values.tolist(), tokens.tolist()
     select_times, heap_times = time_ms([lambda: select_prefixes(candidates, budget),
-                                        lambda: _best_first_heap(values, tokens, budget)], 4 * repeats)
+                                        lambda: _best_first_heap(values, tokens, budget)], 4 * repeats, "cpu")
     return BenchRow(distribution, vocab, budget, depth, len(fast), round(reference_ms, 3), round(fast_ms, 3),
                     round(reference_ms / fast_ms, 2), round(statistics.median(select_times), 4),
                     round(min(select_times), 4), round(statistics.median(heap_times), 3), fast.equals(reference))

@@ -22,10 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dflash_core.timing import cpu_model, median_seconds
+from experiments.schema import write_json_atomic
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 # (name, in, out, times per forward) for SmolLM2-135M: 30 layers of q, k, v, o, gate, up, down, then the LM head
@@ -33,21 +38,8 @@ SHAPES = (("q/o", 576, 576, 60), ("k/v", 576, 192, 60), ("gate/up", 576, 1536, 6
           ("head", 576, 49152, 1))
 
 
-def _median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
-
-
 def time_kernels(kernels: list[str], dtype_name: str, repeats: int) -> dict:
     """{kernel: {shape: {rows: ms}}} for the kernels that run on this machine in ``dtype_name``."""
-    import numpy as np
-    import torch
-
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     g = torch.Generator().manual_seed(0)
     out: dict = {}
@@ -76,7 +68,7 @@ def time_kernels(kernels: list[str], dtype_name: str, repeats: int) -> dict:
                 else:
                     x_np = x.numpy()
                     fn = lambda: np.matmul(x_np, w_np.T)  # noqa: E731
-                row_ms[rows] = _median_ms(fn, repeats)
+                row_ms[rows] = 1000 * median_seconds(fn, repeats, warmup=1)
             table[name] = row_ms
     return out
 
@@ -105,10 +97,6 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--no-env", action="store_true", help="skip the MKL environment settings (child processes)")
     a = p.parse_args(argv)
-    import torch
-
-    from dflash_core.timing import cpu_model
-
     torch.set_num_threads(a.threads)
     results = {"cpu": cpu_model(), "threads": a.threads, "torch": torch.__version__, "rows": list(ROWS),
                "fp32": time_kernels(["torch", "onednn", "openblas"], "fp32", a.repeats),
@@ -128,10 +116,6 @@ def main(argv=None) -> None:
             print(f"| {dtype} | {kernel} | " + " | ".join(f"{ms[r]:.1f}" for r in ROWS) + " |")
     results["forward_ms"] = {d: {k: forward_ms(t) for k, t in results[d].items()} for d in ("fp32", "bf16")}
     if a.out:
-        from pathlib import Path
-
-        from experiments.schema import write_json_atomic
-
         write_json_atomic(Path(a.out), results)
         print(f"wrote {a.out}")
 

@@ -49,7 +49,13 @@ def _table(results: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> None:
+def _config_names(configs: str) -> list[str]:
+    """The configuration names of a comma-separated ``--configs`` value (empty entries dropped)."""
+    return [n for n in configs.split(",") if n]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (every name in ``--configs`` must be one of ``ABLATIONS``)."""
     p = argparse.ArgumentParser(prog="python -m experiments.drafter_ablation", description=__doc__.split("\n\n")[0])
     p.add_argument("--data", required=True, action="append", help="shard folder (repeatable)")
     p.add_argument("--out", required=True)
@@ -61,21 +67,94 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    names = [n for n in a.configs.split(",") if n]
-    unknown = [n for n in names if n not in ABLATIONS]
+    unknown = [n for n in _config_names(a.configs) if n not in ABLATIONS]
     if unknown:
         p.error(f"unknown configuration(s) {unknown}: choose from {list(ABLATIONS)}")
+    return a
+
+
+def _new_drafter(opt: dict, target, data, stops):
+    """A drafter from random weights (seeded by the caller) with the configuration's shape and draft vocabulary."""
+    from dflash_core.model import DFlashDraftModel
+    from dflash_core.training.config import DraftSpec, make_draft_config
+    from dflash_core.training.corpus import build_draft_vocab
+
+    spec = DraftSpec(layers=opt["layers"], taps=opt["taps"], block_size=16, mask_token_id=16)
+    draft = DFlashDraftModel(make_draft_config(target.config, spec))
+    if opt["draft_vocab"]:
+        draft.set_draft_vocab(build_draft_vocab(data.responses, opt["draft_vocab"], always=stops))
+    return draft
+
+
+def _replayed_tau(target, name: str, draft, prompts, refs, stops) -> dict[str, float]:
+    """{"chain", "32"}: tau of the fixed protocol, replayed offline, for the chain and a DDTree budget of 32."""
+    from .drafter_eval import replay_rows
+
+    t0 = time.perf_counter()
+    rows = replay_rows(target, [name], [draft], ["chain", 32], prompts, refs, 128, stops, t0)
+    tau = {}
+    for budget in ("chain", 32):
+        mine = [r for r in rows if r["budget"] == budget]
+        tau[str(budget)] = sum(r["tokens"] for r in mine) / max(1, sum(r["rounds"] for r in mine))
+    return tau
+
+
+def _run_config(name: str, a, target, data, prompts, refs, stops, out: Path, log) -> dict:
+    """Train configuration ``name`` in ``out/name`` (resumable), save its drafter, replay the protocol and write its
+    ``result.json``. Returns the result."""
+    from dflash_core.training.config import TrainConfig
+    from dflash_core.training.loop import train
+
+    from .schema import write_json_atomic
+
+    folder = out / name
+    opt = {**BASE, **ABLATIONS[name]}
+    log(f"=== {name}: {opt}")
+    torch.manual_seed(a.seed)
+    draft = _new_drafter(opt, target, data, stops)
+    cfg = TrainConfig(gamma=opt["gamma"], anchors=opt["anchors"], seqs_per_step=a.seqs_per_step, lr=opt["lr"],
+                      steps=a.steps, max_len=a.max_len, distill_weight=opt["distill_weight"], distill_topk=8,
+                      loss_vocab=opt["loss_vocab"], eval_every=10 ** 9, seed=a.seed,
+                      cache_features=not data.has_features)
+    data.layer_ids = list(draft.config.target_layer_ids)
+    state = train(target, draft, data.sequences, cfg, folder, log, feature_source=data.feature_source)
+    draft = draft.to(torch.bfloat16).eval()
+    draft.save_pretrained(folder / "drafter", dtype=torch.bfloat16)
+    tau = _replayed_tau(target, name, draft, prompts, refs, stops)
+    tail = state.history[-50:]
+    result = {"options": opt, "steps": state.step, "train_minutes": state.train_seconds / 60,
+              "loss_last50": sum(h["loss"] for h in tail) / max(1, len(tail)),
+              "acc1_last50": sum(h["acc1"] for h in tail) / max(1, len(tail)), "tau": tau,
+              "response_tokens": data.response_tokens, "sequences": len(data.sequences)}
+    write_json_atomic(folder / "result.json", result)
+    log(f"=== {name}: tau chain {tau['chain']:.3f}, B=32 {tau['32']:.3f}, loss {result['loss_last50']:.3f}, "
+        f"{result['train_minutes']:.1f} min")
+    return result
+
+
+def _write_summary(out: Path, results: dict[str, dict], steps: int) -> None:
+    """Write ``ablation.json`` (every result so far, with the setup) and ``ablation.md`` (the table)."""
+    from dflash_core.timing import cpu_model
+
+    from .schema import write_json_atomic
+
+    write_json_atomic(out / "ablation.json", {"results": results, "steps": steps, "cpu": cpu_model(),
+                                              "threads": torch.get_num_threads(), "base": BASE,
+                                              "protocol": "experiments.drafter_eval, replayed, greedy, 128 tokens"})
+    tmp = out / "ablation.md.tmp"
+    tmp.write_text(_table(results))
+    tmp.replace(out / "ablation.md")
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     from dflash_core.default import load_default_target, stop_token_ids
-    from dflash_core.model import DFlashDraftModel
-    from dflash_core.timing import cpu_model
-    from dflash_core.train import DraftSpec, TrainConfig, make_draft_config, setup_logging, train
-    from dflash_core.training.corpus import build_draft_vocab
     from dflash_core.training.fit import load_training_data
+    from dflash_core.training.loop import setup_logging
 
-    from .drafter_eval import protocol_prompts, reference_continuations, replay_rows
-    from .schema import write_json_atomic
+    from .drafter_eval import protocol_prompts, reference_continuations
 
     out = Path(a.out)
     log = setup_logging(out).info
@@ -87,47 +166,12 @@ def main(argv=None) -> None:
                                    Path(a.reference or out / "protocol-reference-bfloat16-128.json"))
     summary_path = out / "ablation.json"
     results = json.loads(summary_path.read_text())["results"] if summary_path.exists() else {}
-    for name in names:
-        folder = out / name
-        if (folder / "result.json").exists():
-            results[name] = json.loads((folder / "result.json").read_text())
+    for name in _config_names(a.configs):
+        if (out / name / "result.json").exists():
+            results[name] = json.loads((out / name / "result.json").read_text())
             continue
-        opt = {**BASE, **ABLATIONS[name]}
-        log(f"=== {name}: {opt}")
-        torch.manual_seed(a.seed)
-        spec = DraftSpec(layers=opt["layers"], taps=opt["taps"], block_size=16, mask_token_id=16)
-        draft = DFlashDraftModel(make_draft_config(target.config, spec))
-        if opt["draft_vocab"]:
-            draft.set_draft_vocab(build_draft_vocab(data.responses, opt["draft_vocab"], always=stops))
-        cfg = TrainConfig(gamma=opt["gamma"], anchors=opt["anchors"], seqs_per_step=a.seqs_per_step, lr=opt["lr"],
-                          steps=a.steps, max_len=a.max_len, distill_weight=opt["distill_weight"], distill_topk=8,
-                          loss_vocab=opt["loss_vocab"], eval_every=10 ** 9, seed=a.seed,
-                          cache_features=not data.has_features)
-        data.layer_ids = list(draft.config.target_layer_ids)
-        state = train(target, draft, data.sequences, cfg, folder, log, feature_source=data.feature_source)
-        draft = draft.to(torch.bfloat16).eval()
-        draft.save_pretrained(folder / "drafter", dtype=torch.bfloat16)
-        t0 = time.perf_counter()
-        rows = replay_rows(target, [name], [draft], ["chain", 32], prompts, refs, 128, stops, t0)
-        tau = {}
-        for budget in ("chain", 32):
-            mine = [r for r in rows if r["budget"] == budget]
-            tau[str(budget)] = sum(r["tokens"] for r in mine) / max(1, sum(r["rounds"] for r in mine))
-        tail = state.history[-50:]
-        result = {"options": opt, "steps": state.step, "train_minutes": state.train_seconds / 60,
-                  "loss_last50": sum(h["loss"] for h in tail) / max(1, len(tail)),
-                  "acc1_last50": sum(h["acc1"] for h in tail) / max(1, len(tail)), "tau": tau,
-                  "response_tokens": data.response_tokens, "sequences": len(data.sequences)}
-        write_json_atomic(folder / "result.json", result)
-        results[name] = result
-        log(f"=== {name}: tau chain {tau['chain']:.3f}, B=32 {tau['32']:.3f}, loss {result['loss_last50']:.3f}, "
-            f"{result['train_minutes']:.1f} min")
-        write_json_atomic(summary_path, {"results": results, "steps": a.steps, "cpu": cpu_model(),
-                                         "threads": torch.get_num_threads(), "base": BASE,
-                                         "protocol": "experiments.drafter_eval, replayed, greedy, 128 tokens"})
-        tmp = out / "ablation.md.tmp"
-        tmp.write_text(_table(results))
-        tmp.replace(out / "ablation.md")
+        results[name] = _run_config(name, a, target, data, prompts, refs, stops, out, log)
+        _write_summary(out, results, a.steps)
     print(_table(results))
 
 

@@ -85,7 +85,8 @@ def replay_rows(target, labels, drafts, budgets, prompts, refs, max_new_tokens: 
     return rows
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (``--check-ar`` and ``--replay`` exclude each other)."""
     p = argparse.ArgumentParser(prog="python -m experiments.drafter_eval", description=__doc__.split("\n\n")[0])
     p.add_argument("--draft", action="append", required=True, help="drafter folder (repeatable)")
     p.add_argument("--label", action="append", help="a name per --draft (default: the folder)")
@@ -107,15 +108,15 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     if a.replay and a.check_ar:
         p.error("--check-ar compares decode-loop outputs with plain decoding; --replay has none (drop one)")
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    from dflash_core import autoregressive_generate, load_draft
-    from dflash_core.default import default_dtype, load_default_target, stop_token_ids
-    from ddtree import ddtree_generate
+    return a
 
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(a.dtype) or default_dtype()
-    target, tokenizer = load_default_target(dtype)
-    stops = stop_token_ids(tokenizer)
+
+def _load_drafters(a, dtype) -> tuple[list[str], list]:
+    """(labels, drafters): every ``--draft``, then for each with a draft vocabulary a copy per ``--vocab-sizes``
+    entry (the vocabulary cut to that size, or dropped for 'full'); with ``--cast-inv-freq`` their rotary
+    frequencies cast to the model dtype."""
+    from dflash_core import load_draft
+
     labels = list(a.label or [Path(d).name for d in a.draft])
     drafts = [load_draft(d, dtype=dtype) for d in a.draft]
     for label, draft in list(zip(labels, drafts)):
@@ -133,25 +134,25 @@ def main(argv=None) -> None:
     if a.cast_inv_freq:
         for d in drafts:
             d.rotary.inv_freq = d.rotary.inv_freq.to(dtype)
-    budgets = [b if b == "chain" else int(b) for b in a.budgets.split(",")]
-    prompts = protocol_prompts(tokenizer)[: a.limit]
+    return labels, drafts
+
+
+def _decode_rows(target, labels, drafts, budgets, prompts, max_new_tokens: int, stops, check_ar: bool,
+                 t0: float) -> list[dict]:
+    """Rows (rounds, tokens and timings per prompt, drafter and budget) from the decode loop, drafters interleaved
+    per prompt; with ``check_ar`` whether each output equals plain decoding."""
+    from dflash_core import autoregressive_generate
+    from ddtree import ddtree_generate
+
     rows = []
-    t0 = time.perf_counter()
-    if a.replay:
-        ref_path = Path(a.reference or f"runs/protocol-reference-{str(dtype).split('.')[-1]}-{a.max_new_tokens}.json")
-        refs = reference_continuations(target, prompts, a.max_new_tokens, stops, ref_path)
-        rows = replay_rows(target, labels, drafts, budgets, prompts, refs, a.max_new_tokens, stops, t0)
-        prompts_iter = []
-    else:
-        prompts_iter = prompts
-    for group, name, sid, ids in prompts_iter:
+    for group, name, sid, ids in prompts:
         x = torch.tensor([ids])
         ref = None
-        if a.check_ar:
-            ref = autoregressive_generate(target, x, a.max_new_tokens, stop_token_ids=stops).new_token_ids
+        if check_ar:
+            ref = autoregressive_generate(target, x, max_new_tokens, stop_token_ids=stops).new_token_ids
         for label, draft in zip(labels, drafts):
             for budget in budgets:
-                res = ddtree_generate(target, draft, x, budget=budget, max_new_tokens=a.max_new_tokens,
+                res = ddtree_generate(target, draft, x, budget=budget, max_new_tokens=max_new_tokens,
                                       stop_token_ids=stops)
                 rows.append({"group": group, "dataset": name, "sample_id": sid, "draft": label, "budget": budget,
                              "rounds": len(res.acceptance_lengths), "tokens": sum(res.acceptance_lengths),
@@ -159,6 +160,12 @@ def main(argv=None) -> None:
                              "verify_s": res.timings.get("verify"),
                              "matches_ar": None if ref is None else res.new_token_ids == ref})
         print(f"[{time.perf_counter() - t0:.0f}s] {group}/{name}/{sid} done", flush=True)
+    return rows
+
+
+def _summarise(rows: list[dict], labels, budgets, replay: bool, check_ar: bool) -> dict:
+    """{"<label> <budget>": tau per group and overall, plus (decode loop) draft ms per round and decode seconds and
+    (``check_ar``) the outputs equal to plain decoding}."""
     summary = {}
     for label in labels:
         for budget in budgets:
@@ -169,12 +176,35 @@ def main(argv=None) -> None:
                 sel = [r for r in mine if group == "all" or r["group"] == group]
                 entry[group] = sum(r["tokens"] for r in sel) / max(1, sum(r["rounds"] for r in sel))
             rounds = max(1, sum(r["rounds"] for r in mine))
-            if not a.replay:
+            if not replay:
                 entry["draft_ms_per_round"] = 1000 * sum(r["draft_s"] or 0 for r in mine) / rounds
                 entry["decode_s"] = sum(r["decode_s"] or 0 for r in mine)
-            if a.check_ar:
+            if check_ar:
                 entry["matches_ar"] = f"{sum(bool(r['matches_ar']) for r in mine)}/{len(mine)}"
             summary[key] = entry
+    return summary
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    from dflash_core.default import default_dtype, load_default_target, stop_token_ids
+
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(a.dtype) or default_dtype()
+    target, tokenizer = load_default_target(dtype)
+    stops = stop_token_ids(tokenizer)
+    labels, drafts = _load_drafters(a, dtype)
+    budgets = [b if b == "chain" else int(b) for b in a.budgets.split(",")]
+    prompts = protocol_prompts(tokenizer)[: a.limit]
+    t0 = time.perf_counter()
+    if a.replay:
+        ref_path = Path(a.reference or f"runs/protocol-reference-{str(dtype).split('.')[-1]}-{a.max_new_tokens}.json")
+        refs = reference_continuations(target, prompts, a.max_new_tokens, stops, ref_path)
+        rows = replay_rows(target, labels, drafts, budgets, prompts, refs, a.max_new_tokens, stops, t0)
+    else:
+        rows = _decode_rows(target, labels, drafts, budgets, prompts, a.max_new_tokens, stops, a.check_ar, t0)
+    summary = _summarise(rows, labels, budgets, a.replay, a.check_ar)
     from dflash_core.timing import cpu_model
 
     cpu = cpu_model()

@@ -78,7 +78,8 @@ def paired_change(before: dict, after: dict, budget: str) -> dict:
             "better": sum(d > 0 for d in diffs), "worse": sum(d < 0 for d in diffs)}
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (exactly one of ``--minutes`` and ``--tokens``)."""
     p = argparse.ArgumentParser(prog="python -m experiments.drafter_stream", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--init", default=str(ZOO), help="drafter to start from (default: the shipped one)")
@@ -101,17 +102,74 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     if (a.minutes is None) == (a.tokens is None):
         p.error("give --minutes or --tokens")
+    return a
+
+
+def _prior_log(path: str, log) -> tuple[dict, dict]:
+    """The training log this run continues (a fresh one for 'none' or a missing file) and the installed corpus's
+    manifest; warns when the log's cursor counts in another corpus than the installed one."""
+    from dflash_core.training.textcorpus import corpus_manifest
+
+    prior = json.loads(Path(path).read_text()) if path != "none" and Path(path).is_file() else {"runs": [], "curve": []}
+    manifest = corpus_manifest()
+    if prior.get("corpus_fingerprint") not in (None, manifest["fingerprint"]):
+        log(f"warning: the corpus differs from the one the log's cursor counts in ({prior['corpus_fingerprint']} vs "
+            f"{manifest['fingerprint']}: other package versions); the cursor is used as is")
+    return prior, manifest
+
+
+def _generated_sequences(folder: str, tokenizer, log) -> list[tuple[str, torch.Tensor, int]]:
+    """[(key, ids, prompt length)] of the token shards of the target's own answers in ``folder``."""
+    from dflash_core.training.corpus import load_corpus
+
+    corpus = load_corpus(folder, tokenizer)
+    generated = [(k, ids, pl) for k, (ids, pl) in zip(corpus.keys, corpus.sequences)]
+    log(f"generated: {len(generated)} sequences, {corpus.response_tokens} response tokens ({corpus.skipped} skipped)")
+    return generated
+
+
+def _run_record(a, run_id: str, mix: dict, state, evals: list[dict], ceiling: float, dropped: int) -> dict:
+    """This run's entry of the training log: setup, tokens, throughput, tau at start and end, and with two or more
+    evaluations the paired change of tau against the drafter it started from."""
+    from dflash_core.timing import cpu_model
+
+    run = {"run": run_id, "date": datetime.date.today().isoformat(), "cpu": cpu_model(), "dtype": "bfloat16",
+           "threads": torch.get_num_threads(), "init": a.init, "mix": mix, "steps": state.step,
+           "tokens": state.tokens, "tokens_by_kind": state.by_kind, "train_minutes": state.train_seconds / 60,
+           "ceiling_tokens_per_s": ceiling, "target_pass_tokens_per_s": state.target_tokens / state.target_seconds,
+           "end_to_end_response_tokens_per_s": state.tokens / state.train_seconds,
+           "tau_start": {k: evals[0][k] for k in ("tau_chain", "tau_b32")} if evals else None,
+           "tau_end": {k: evals[-1][k] for k in ("tau_chain", "tau_b32")} if evals else None,
+           "corpus_dropped_items": dropped}
+    if len(evals) >= 2:  # paired per prompt, the run's drafter against the one it started from
+        run["tau_change"] = {b: paired_change(evals[0], evals[-1], b) for b in ("chain", "32")}
+        # not worse: the mean paired change is >= 0 for both the chain and the B=32 tree
+        run["not_worse_than_init"] = all(c["mean"] >= 0 for c in run["tau_change"].values())
+    return run
+
+
+def _extended_log(prior: dict, manifest: dict, run: dict, state, evals: list[dict]) -> dict:
+    """The input training log plus this run: its entry, the cursor after it, tokens seen over all runs and the curve
+    with cumulative tokens."""
+    base = prior.get("tokens_seen", 0)  # response tokens the drafter had trained on before this run, all runs
+    curve = prior.get("curve", []) + [{"run": run["run"], "tokens": base + h["tokens"], "tau_chain": h["tau_chain"],
+                                       "tau_b32": h["tau_b32"]} for h in evals]
+    return {**prior, "corpus_fingerprint": manifest["fingerprint"], "corpus": manifest["sources"],
+            "cursor": vars(state.cursor), "tokens_seen": base + state.tokens, "runs": prior["runs"] + [run],
+            "curve": curve}
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     from dflash_core import load_draft
     from dflash_core.default import load_default_target, stop_token_ids
     from dflash_core.timing import cpu_model
     from dflash_core.training.config import TrainConfig
-    from dflash_core.training.corpus import load_corpus
     from dflash_core.training.generate import teacher_forced_ceiling
     from dflash_core.training.loop import setup_logging
     from dflash_core.training.stream import Cursor, SequenceStream, StreamState, stream_train
-    from dflash_core.training.textcorpus import corpus_manifest
 
     from .schema import write_json_atomic
 
@@ -121,18 +179,10 @@ def main(argv=None) -> None:
     mix = parse_mix(a.mix)
     target, tokenizer = load_default_target(torch.bfloat16)
     stops = stop_token_ids(tokenizer)
-    prior = json.loads(Path(a.log).read_text()) if a.log != "none" and Path(a.log).is_file() else {"runs": [], "curve": []}
-    manifest = corpus_manifest()
-    if prior.get("corpus_fingerprint") not in (None, manifest["fingerprint"]):
-        log(f"warning: the corpus differs from the one the log's cursor counts in ({prior['corpus_fingerprint']} vs "
-            f"{manifest['fingerprint']}: other package versions); the cursor is used as is")
+    prior, manifest = _prior_log(a.log, log)
     cursor = Cursor(**prior.get("cursor", {}))
     draft = load_draft(a.init, dtype=torch.float32)
-    generated = []
-    if mix.get("generated", 0) > 0:
-        corpus = load_corpus(a.generated_data, tokenizer)
-        generated = [(k, ids, pl) for k, (ids, pl) in zip(corpus.keys, corpus.sequences)]
-        log(f"generated: {len(generated)} sequences, {corpus.response_tokens} response tokens ({corpus.skipped} skipped)")
+    generated = _generated_sequences(a.generated_data, tokenizer, log) if mix.get("generated", 0) > 0 else []
     ceiling = teacher_forced_ceiling(target, 8, 320)
     log(f"teacher-forced ceiling: {ceiling:.0f} tokens/s ([8, 320], {torch.get_num_threads()} threads, {cpu_model()})")
     stream = SequenceStream(tokenizer, mix, cursor, a.seqs_per_step, a.max_len, stops[:1], generated, seed=a.seed)
@@ -145,26 +195,8 @@ def main(argv=None) -> None:
                          eval_every_tokens=a.eval_every, state=StreamState(cursor=cursor))
     draft.save_pretrained(out / "drafter", dtype=torch.bfloat16)
     evals = [h for h in state.history if "tau_chain" in h]
-    base = prior.get("tokens_seen", 0)  # response tokens the drafter had trained on before this run, all runs
-    run_id = out.name
-    run = {"run": run_id, "date": datetime.date.today().isoformat(), "cpu": cpu_model(), "dtype": "bfloat16",
-           "threads": torch.get_num_threads(), "init": a.init, "mix": mix, "steps": state.step,
-           "tokens": state.tokens, "tokens_by_kind": state.by_kind, "train_minutes": state.train_seconds / 60,
-           "ceiling_tokens_per_s": ceiling, "target_pass_tokens_per_s": state.target_tokens / state.target_seconds,
-           "end_to_end_response_tokens_per_s": state.tokens / state.train_seconds,
-           "tau_start": {k: evals[0][k] for k in ("tau_chain", "tau_b32")} if evals else None,
-           "tau_end": {k: evals[-1][k] for k in ("tau_chain", "tau_b32")} if evals else None,
-           "corpus_dropped_items": stream.stats["dropped"]}
-    if len(evals) >= 2:  # paired per prompt, the run's drafter against the one it started from
-        run["tau_change"] = {b: paired_change(evals[0], evals[-1], b) for b in ("chain", "32")}
-        # not worse: the mean paired change is >= 0 for both the chain and the B=32 tree
-        run["not_worse_than_init"] = all(c["mean"] >= 0 for c in run["tau_change"].values())
-    curve = prior.get("curve", []) + [{"run": run_id, "tokens": base + h["tokens"], "tau_chain": h["tau_chain"],
-                                       "tau_b32": h["tau_b32"]} for h in evals]
-    new_log = {**prior, "corpus_fingerprint": manifest["fingerprint"], "corpus": manifest["sources"],
-               "cursor": vars(state.cursor), "tokens_seen": base + state.tokens, "runs": prior["runs"] + [run],
-               "curve": curve}
-    write_json_atomic(out / "training_log.json", new_log)
+    run = _run_record(a, out.name, mix, state, evals, ceiling, stream.stats["dropped"])
+    write_json_atomic(out / "training_log.json", _extended_log(prior, manifest, run, state, evals))
     summary = {**run, "history": state.history, "total_minutes": (time.perf_counter() - t0) / 60}
     write_json_atomic(out / "summary.json", summary)
     log(f"done: {state.step} steps, {state.tokens} tokens, tau {run['tau_start']} -> {run['tau_end']}; "

@@ -25,12 +25,12 @@ checks compare the target with itself:
    several runs;
 4. drafter cost: one drafter pass (block of 16 on top of a 512-token context cache), the LM head over its 15 rows,
    and building the tree from those logits at several budgets;
-5. round cost: ``ddtree.budget.measure_cost_model`` at both context lengths, i.e. what ``budget="auto"`` measures
+5. round cost: ``ddtree.cost.measure_cost_model`` at both context lengths, i.e. what ``budget="auto"`` measures
    (the N-dependent part of a round: mask, forward, walk, compaction; the fixed part: drafter pass, LM head, tree
    at the cap of 1024).
 
 The profile (JSON) carries the round costs per model as ``cost_models`` (one per context length, in the form
-``ddtree.budget.CostModel`` reads), so ``budget="auto"`` can use the measured GPU curve without measuring:
+``ddtree.cost.CostModel`` reads), so ``budget="auto"`` can use the measured GPU curve without measuring:
 ``AutoBudget.for_models(target, draft, profile="experiments/profiles/h200.json", context=prompt_len)`` or
 ``CostModel.from_profile(path, context=...)``.
 """
@@ -47,6 +47,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from ddtree.cost import measure_cost_model
+from dflash_core.timing import median_seconds
 
 __all__ = ["QWEN3_4B", "QWEN3_8B", "TINY", "MODELS", "CheckConfig", "run_checks", "main"]
 
@@ -114,13 +117,9 @@ def build_draft(target, config: CheckConfig):
 
 
 # ---------------------------------------------------------------------------------------------------- timing
-def median_ms(fn: Callable[[], Any], device: torch.device, repeats: int, warmups: int) -> float:
-    """Median wall time of ``fn`` in ms: CUDA events on CUDA, perf_counter on CPU."""
-    from ddtree.budget import median_seconds
-
-    for _ in range(warmups):
-        fn()
-    return 1000.0 * median_seconds(fn, repeats, device)
+def median_ms(fn: Callable[[], Any], device: torch.device, config: CheckConfig) -> float:
+    """Median milliseconds of ``fn`` over the check's repeats after its warm-ups (:func:`median_seconds`)."""
+    return 1000.0 * median_seconds(fn, config.repeats, device, warmup=config.warmups)
 
 
 def _random_logits(rows: int, vocab: int, seed: int, scale: float = 4.0) -> torch.Tensor:
@@ -133,7 +132,7 @@ def _random_logits(rows: int, vocab: int, seed: int, scale: float = 4.0) -> torc
 def oracle_check(target, layer_ids, config: CheckConfig, device: torch.device) -> dict[str, Any]:
     """Tree logits from one forward vs a causal forward over each node's root path, on the same cache."""
     from ddtree import build_tree
-    from dflash_core import TargetAdapter
+    from dflash_core.target import TargetAdapter
     from dflash_core.decoding import compile_proposal
 
     adapter = TargetAdapter(target, layer_ids)
@@ -193,7 +192,7 @@ def verify_curve(target, layer_ids, config: CheckConfig, device: torch.device,
                  context: int | None = None) -> dict[str, Any]:
     """Median ms of one target forward appending N tokens (tree mask and causal) to a ``context``-token cache."""
     from ddtree import build_tree
-    from dflash_core import TargetAdapter
+    from dflash_core.target import TargetAdapter
     from dflash_core.decoding import compile_proposal
 
     adapter = TargetAdapter(target, layer_ids)
@@ -215,8 +214,8 @@ def verify_curve(target, layer_ids, config: CheckConfig, device: torch.device,
             adapter.forward(ids, ctx + torch.arange(len(ids)), cache)
             adapter.crop(cache, ctx)
 
-        tree_ms.append(median_ms(tree_forward, device, config.repeats, config.warmups))
-        causal_ms.append(median_ms(causal_forward, device, config.repeats, config.warmups))
+        tree_ms.append(median_ms(tree_forward, device, config))
+        causal_ms.append(median_ms(causal_forward, device, config))
         depths.append(int(tree.depths.max()) if len(tree) else 0)
     return {"context": ctx, "appended_tokens": list(config.nodes), "tree_depth": depths,
             "tree_median_ms": tree_ms, "causal_median_ms": causal_ms, "repeats": config.repeats,
@@ -227,7 +226,7 @@ def verify_curve(target, layer_ids, config: CheckConfig, device: torch.device,
 def draft_cost(target, draft, config: CheckConfig, device: torch.device) -> dict[str, Any]:
     """Median ms of the drafter's block pass on a ``context``-token draft cache, the LM head, and tree building."""
     from ddtree import build_tree
-    from dflash_core import TargetAdapter
+    from dflash_core.target import TargetAdapter
     from dflash_core.decoding import draft_states
     from dflash_core.model import DraftCache
 
@@ -243,7 +242,7 @@ def draft_cost(target, draft, config: CheckConfig, device: torch.device) -> dict
         cache.crop(0)
         draft_states(draft, adapter, root, features[:ctx], ctx, cache)
 
-    prefill_ms = median_ms(first_pass, device, config.repeats, config.warmups)
+    prefill_ms = median_ms(first_pass, device, config)
     first_pass()
 
     def steady_pass():  # a typical round (the loop's draft step): a few newly committed tokens join the context
@@ -251,12 +250,12 @@ def draft_cost(target, draft, config: CheckConfig, device: torch.device) -> dict
         cache.crop(ctx)
         return out
 
-    pass_ms = median_ms(steady_pass, device, config.repeats, config.warmups)
+    pass_ms = median_ms(steady_pass, device, config)
     hidden = steady_pass()[None]
-    head_ms = median_ms(lambda: adapter.lm_head(hidden[0, 1:], draft), device, config.repeats, config.warmups)
+    head_ms = median_ms(lambda: adapter.lm_head(hidden[0, 1:], draft), device, config)
     logits = adapter.lm_head(hidden[0, 1:], draft)  # [b-1, V] on the device, as in the decode loop
-    build_ms = {str(budget): median_ms(lambda budget=budget: build_tree(logits, budget), device, config.repeats,
-                                       config.warmups) for budget in config.tree_budgets}
+    build_ms = {str(budget): median_ms(lambda budget=budget: build_tree(logits, budget), device, config)
+                for budget in config.tree_budgets}
     return {"block_size": b, "layers": draft.config.num_hidden_layers,
             "target_layer_ids": list(draft.config.target_layer_ids),
             "params": sum(p.numel() for p in draft.parameters()), "context": ctx,
@@ -264,9 +263,7 @@ def draft_cost(target, draft, config: CheckConfig, device: torch.device) -> dict
 
 
 def round_costs(target, draft, config: CheckConfig) -> dict[str, Any]:
-    """``ddtree.budget.measure_cost_model`` at every context length: the curves ``budget="auto"`` reads."""
-    from ddtree.budget import measure_cost_model
-
+    """``ddtree.cost.measure_cost_model`` at every context length: the curves ``budget="auto"`` reads."""
     grid = tuple(n - 1 for n in config.nodes)  # tree nodes (the root is the extra token)
     curves = [measure_cost_model(target, draft, grid=grid, context=ctx, repeats=config.repeats, use_cache=False,
                                  cap=max(grid)).to_json() for ctx in config.contexts]

@@ -1,19 +1,26 @@
 """Benchmark presets: frozen configurations for ``python -m experiments.benchmark --preset NAME``.
 
 * ``default`` -- the embedded offline pair (SmolLM2-135M-Instruct + the shipped drafter) on this kind of 2-core CPU:
-  all six offline datasets, a few samples each, AR + DFlash + DDTree at budgets 2/4/8/16/32/64 (+ ``auto`` and
-  ``chain-auto``), greedy.
+  all seven offline datasets (the six of the papers and the input-grounded set), a few samples each, AR + DFlash +
+  DDTree at budgets 2/4/8/16/32/64 (+ ``auto`` and ``chain-auto``) + prompt lookup (PLD) + DDTree with lookup
+  branches (B=16 and ``auto``), greedy.
   Sized so that ``bash run_benchmark.sh`` on a fresh clone, setup included, ends within 15 minutes.
 * ``quick``   -- a smoke test of the same path in well under 3 minutes.
 * ``sampling``-- the same pair at T = 1: the deterministic top-K tree (sample-and-match) next to the sampled tree
-  (recursive rejection sampling) at budgets 16 and 32, ``auto`` (top-K), AR and DFlash, on the six offline datasets;
+  (recursive rejection sampling) at budgets 16 and 32, ``auto`` (top-K), AR and DFlash, on the seven offline datasets;
   ~15 minutes.
 * ``paper``   -- the DDTree paper's grid on CUDA (Qwen3-4B/8B, Qwen3-Coder-30B-A3B with the z-lab drafters,
-  10 datasets, budgets 16..1024, T in {0, 1}); launch with ``torchrun --nproc_per_node=<gpus>``.
+  budgets 16..1024, T in {0, 1}): the six offline datasets by default, the four hub-only ones when asked
+  (``with_overrides(..., include_hub=True)``, ``bash run_benchmark.sh --hub-datasets``); sized to an hour of
+  decoding per model pair (``--full``: the whole grid); ``bash run_benchmark.sh --preset paper --dry-run`` prints
+  the plan (:mod:`experiments.plan`). ``run_benchmark.sh`` launches it under torchrun over all visible GPUs.
 * ``tiny``    -- random tiny models built from configs (no files at all); what the tests run.
 
 Command-line flags override single fields (:func:`with_overrides`); the resolved preset is stored in the run's
-manifest so a run folder says exactly what was measured.
+manifest so a run folder says exactly what was measured. A ``--target`` that names one of the preset's targets --
+its hub id, a local folder of that name (``/weights/Qwen3-8B``) or its Hugging Face cache snapshot
+(``.../models--Qwen--Qwen3-8B/snapshots/<rev>``) -- keeps that pair's drafter, name, device map and chat settings
+(:func:`matching_pair`).
 """
 
 from __future__ import annotations
@@ -22,14 +29,16 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from experiments.datasets import KNOWN_DATASETS, OFFLINE_DATASETS, canonical_name
+from ddtree.generate import BUDGET_WORDS
+from experiments.datasets import HUB_DATASETS, KNOWN_DATASETS, OFFLINE_DATASETS, canonical_name
 from experiments.schema import METHODS, TREE_KINDS
 
 __all__ = ["ModelPair", "Preset", "PRESETS", "DTYPES", "BUDGET_POLICIES", "TREE_KINDS", "get_preset",
-           "with_overrides"]
+           "hub_repo_of", "matching_pair", "with_overrides"]
 
 DTYPES = ("auto", "bf16", "fp16", "fp32", "fp64")
-BUDGET_POLICIES = ("auto", "chain-auto")  # string budgets the runner knows, besides integer node budgets
+# string budgets the runner measures besides integer node budgets ("chain" is DFlash itself: method "dflash")
+BUDGET_POLICIES = tuple(word for word in BUDGET_WORDS if word != "chain")
 
 
 @dataclass(frozen=True)
@@ -65,7 +74,9 @@ class Preset:
     warm-up the runner projects the decoding time on this machine and, when it exceeds the budget, leaves work out by
     a fixed rule (``experiments.benchmark.size_run``) and says what; ``--full`` runs everything. ``cpu_kernels``:
     how the models' linear layers multiply on a CPU (``auto``: the faster of ``torch`` and oneDNN-``packed`` on this
-    machine, measured once; see ``dflash_core.cpu_kernels``)."""
+    machine, measured once; see ``dflash_core.cpu_kernels``). ``hub_datasets``: datasets of the preset's grid that
+    need the Hugging Face Hub; they run only when asked (``with_overrides(preset, include_hub=True)``), ``datasets``
+    is what runs."""
 
     name: str
     description: str
@@ -85,12 +96,15 @@ class Preset:
     device: str = "auto"  # "auto" = CUDA when available, else CPU
     time_budget_s: float | None = None  # decoding time the run is sized to on the machine at hand (None: run all)
     cpu_kernels: str = "torch"  # linear kernels on a CPU: torch, packed or auto (dflash_core.cpu_kernels)
+    hub_datasets: tuple[str, ...] = ()  # the grid's hub-only datasets, left out unless asked for (include_hub)
+    lookup_budgets: tuple[int | str, ...] = ()  # DDTree+lookup variants: int node budgets and/or "auto"
 
     def __post_init__(self) -> None:
         problems = self.problems()
         if problems:
             raise ValueError(f"preset {self.name!r}: " + "; ".join(problems))
         object.__setattr__(self, "datasets", tuple(canonical_name(d) for d in self.datasets))
+        object.__setattr__(self, "hub_datasets", tuple(canonical_name(d) for d in self.hub_datasets))
         object.__setattr__(self, "temperatures", tuple(float(t) for t in self.temperatures))
 
     def problems(self) -> list[str]:
@@ -107,12 +121,21 @@ class Preset:
                 out.append(str(err))
         if not self.datasets:
             out.append("no datasets")
+        for name in self.hub_datasets:
+            try:
+                if canonical_name(name) in [canonical_name(d) for d in self.datasets]:
+                    out.append(f"dataset {name!r} is listed both as run and as hub-only")
+            except ValueError as err:
+                out.append(str(err))
         bad = [m for m in self.methods if m not in METHODS]
         if bad or not self.methods:
             out.append(f"methods must be a non-empty subset of {METHODS}, got {list(self.methods)}")
         for b in self.budgets:
             if isinstance(b, bool) or not (isinstance(b, int) and b >= 0 or b in BUDGET_POLICIES):
                 out.append(f"budget {b!r} is neither an int >= 0 nor one of {BUDGET_POLICIES}")
+        for b in self.lookup_budgets:
+            if isinstance(b, bool) or not (isinstance(b, int) and b >= 0 or b == "auto"):
+                out.append(f"lookup budget {b!r} is neither an int >= 0 nor 'auto'")
         if len(set(self.budgets)) != len(self.budgets):
             out.append(f"repeated budgets in {list(self.budgets)}")
         if "ddtree" in self.methods and not self.budgets:
@@ -145,20 +168,23 @@ class Preset:
 _SMOLLM2 = ModelPair("default", "default", name="smollm2-135m")
 
 # Time budget on this 2-core CPU in bf16, from the verify costs in FACTS §3 (one forward: 22 ms for 1 token, 28 ms
-# for 16, 37 ms for 32, 52 ms for 64) plus ~5-10 ms of drafter and bookkeeping per round. 6 datasets x 2 samples + 2
-# MT-Bench second turns = 14 turns x 10 variants x 128 tokens at ~4-5 s per generation with the shipped drafter is
-# ~10-12 min of decoding, plus prefill, warm-up and the cost measurement of `auto` (~1 min), first-time setup and the
-# figures; where the machine is slower the run sizes itself (`time_budget_s`, experiments.benchmark.size_run).
+# for 16, 37 ms for 32, 52 ms for 64) plus ~5-10 ms of drafter and bookkeeping per round. 7 datasets x 2 samples + 4
+# second turns (MT-Bench, grounded) = 18 turns x 13 variants x 128 tokens at ~3-5 s per generation with the shipped
+# drafter is ~12-18 min of decoding: the run sizes itself to the 12-minute budget (`time_budget_s`,
+# experiments.sizing.size_run: second samples go first), plus prefill, warm-up, the cost curves of `auto` (measured
+# once per machine), first-time setup and the figures.
 # The fixed budgets 2..64 are the set issue 11 scores `auto` against: the best of them per dataset, chosen after the
 # fact (the oracle), interleaved in one run with `auto` and `chain-auto` (DFlash with a chosen chain length).
 DEFAULT = Preset(
     name="default",
-    description="embedded SmolLM2-135M pair on CPU: 6 offline datasets x 2 samples, 128 tokens, T=0",
+    description="embedded SmolLM2-135M pair on CPU: 7 offline datasets x 2 samples, 128 tokens, T=0, with lookup",
     models=(_SMOLLM2,),
     datasets=OFFLINE_DATASETS,
     max_samples=2,
     max_new_tokens=128,
+    methods=("ar", "dflash", "ddtree", "pld"),
     budgets=(2, 4, 8, 16, 32, 64, "auto", "chain-auto"),
+    lookup_budgets=(16, "auto"),
     optional_budgets=("auto", "chain-auto"),
     time_budget_s=720.0,  # 12 min of decoding; with setup, warm-up and the figures: 15 min
     cpu_kernels="auto",
@@ -179,17 +205,26 @@ QUICK = Preset(
 
 _QWEN3_CHAT = (("enable_thinking", False),)
 # The DDTree paper's grid: 3 pairs x 10 datasets x T in {0, 1}, 2048 new tokens. Sample counts follow the reference
-# harness, capped by each dataset's benchmark split (experiments.datasets.BENCHMARK_POOL_SIZE).
+# harness, capped by each dataset's benchmark split (experiments.datasets.BENCHMARK_POOL_SIZE). The six offline
+# datasets run by default; mbpp, livecodebench, swe-bench and alpaca need the hub and run only when asked.
+# The whole grid is far more than a session: ~560 turns per temperature x 10 variants x 2048 tokens is ~11 M tokens
+# per pair (days on one H200), so like the CPU presets it is sized to the machine: after each pair's warm-up the
+# runner projects the decoding time from measured seconds per token and keeps what fits one hour per pair by the
+# stated rule (samples, then outer budgets, then trailing datasets; experiments.benchmark.size_run). `--full` runs
+# everything; `--time-budget MIN` sets another budget. Note: the runner does not size a torchrun launch (world > 1).
+_PAPER_OFFLINE = ("gsm8k", "math500", "aime24", "aime25", "humaneval", "mt-bench")  # the paper's offline six
 PAPER = Preset(
     name="paper",
-    description="DDTree paper grid on CUDA: Qwen3-4B/8B + Qwen3-Coder-30B-A3B, 10 datasets, B=16..1024, T in {0,1}",
+    description="DDTree paper grid on CUDA: Qwen3-4B/8B + Qwen3-Coder-30B-A3B, 6 offline datasets (+4 hub ones "
+                "when asked), B=16..1024, T in {0,1}, 1 h of decoding per pair",
     models=(
         ModelPair("Qwen/Qwen3-4B", "z-lab/Qwen3-4B-DFlash-b16", name="qwen3-4b", chat_template_kwargs=_QWEN3_CHAT),
         ModelPair("Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16", name="qwen3-8b", chat_template_kwargs=_QWEN3_CHAT),
         ModelPair("Qwen/Qwen3-Coder-30B-A3B-Instruct", "z-lab/Qwen3-Coder-30B-A3B-DFlash", name="qwen3-coder-30b-a3b",
                   device_map="auto"),
     ),
-    datasets=KNOWN_DATASETS,
+    datasets=_PAPER_OFFLINE,
+    hub_datasets=HUB_DATASETS,
     max_samples=128,
     samples_per_dataset=(("aime24", 30), ("aime25", 30), ("humaneval", 164), ("mt-bench", 80)),
     max_new_tokens=2048,
@@ -199,6 +234,7 @@ PAPER = Preset(
     dtype="bf16",
     warmup_tokens=32,
     device="cuda",
+    time_budget_s=3600.0,  # per model pair
 )
 
 # Tests: random tiny models from configs, fp32 so greedy speculative outputs must equal AR's exactly.
@@ -216,12 +252,12 @@ TINY = Preset(
 
 # T = 1 on the default pair: is a sampled tree (children drawn from the drafter, recursive rejection sampling) better
 # than the deterministic top-K tree (sample-and-match) at the same budget, and what does `auto` choose at T = 1? Seven
-# variants (AR, DFlash, top-K and sampled at B = 16 and 32, auto) x 14 turns (6 datasets x 2 samples + 2 MT-Bench
-# second turns) x 128 tokens = 98 generations at ~5-6 s each (at T = 1 acceptance is lower than at T = 0): ~9 min of
+# variants (AR, DFlash, top-K and sampled at B = 16 and 32, auto) x 18 turns (7 datasets x 2 samples + 4 second
+# turns) x 128 tokens = 126 generations at ~5-6 s each (at T = 1 acceptance is lower than at T = 0): ~11 min of
 # decoding; the run sizes itself to the 12-minute budget on slower machines.
 SAMPLING = Preset(
     name="sampling",
-    description="embedded SmolLM2-135M pair on CPU, T=1: top-K vs sampled trees at B=16/32, 6 datasets x 2 samples",
+    description="embedded SmolLM2-135M pair on CPU, T=1: top-K vs sampled trees at B=16/32, 7 datasets x 2 samples",
     models=(_SMOLLM2,),
     datasets=OFFLINE_DATASETS,
     max_samples=2,
@@ -244,24 +280,60 @@ def get_preset(name: str) -> Preset:
         raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}") from None
 
 
-def with_overrides(preset: Preset, *, target: str | None = None, draft: str | None = None,
+def hub_repo_of(name: str) -> str | None:
+    """The hub repo id a Hugging Face cache snapshot path stands for (``.../models--Qwen--Qwen3-8B/snapshots/<rev>``
+    -> ``Qwen/Qwen3-8B``), else None."""
+    parts = str(name).replace("\\", "/").rstrip("/").split("/")
+    for i, part in enumerate(parts):
+        if part.startswith("models--") and i + 2 < len(parts) and parts[i + 1] == "snapshots":
+            return part.removeprefix("models--").replace("--", "/")
+    return None
+
+
+def matching_pair(preset: Preset, target: str) -> ModelPair | None:
+    """The pair of ``preset`` that ``target`` stands for: its hub id, a cache snapshot of that repo, or a local
+    folder named like the repo (``/weights/Qwen3-8B`` for ``Qwen/Qwen3-8B``; case-insensitive); None otherwise."""
+    text = str(target).rstrip("/")
+    for pair in preset.models:
+        if text == pair.target:
+            return pair
+    repo = hub_repo_of(text)
+    if repo is not None:
+        return next((p for p in preset.models if p.target.lower() == repo.lower()), None)
+    if "/" not in text and "\\" not in text:
+        return None  # a bare word ("default", "tiny") or an unknown id
+    last = text.replace("\\", "/").split("/")[-1].lower()
+    found = [p for p in preset.models if "/" in p.target and p.target.split("/")[-1].lower() == last]
+    return found[0] if len(found) == 1 else None
+
+
+def with_overrides(preset: Preset, *, target: str | None = None, draft: str | None = None, include_hub: bool = False,
                    **fields: Any) -> Preset:
     """A copy of ``preset`` with the given fields replaced (None = keep). ``target``/``draft`` replace the model
-    pairs by one pair (the other half taken from the preset's first pair); explicitly given budgets are never
-    optional."""
+    pairs by one pair: the preset's pair that ``target`` stands for (:func:`matching_pair`: its drafter, name, device
+    map and chat settings are kept), else a new pair with the first pair's drafter. ``include_hub`` adds the
+    preset's hub-only datasets (in the order of ``KNOWN_DATASETS``). Explicitly given budgets are never optional."""
     changes = {k: v for k, v in fields.items() if v is not None}
     if target is not None or draft is not None:
         first = preset.models[0]
-        same_target = target is None or target == first.target
-        pair = ModelPair(target if target is not None else first.target, draft if draft is not None else first.draft,
-                         name=first.name if same_target else "",
-                         device_map=first.device_map if same_target else None,
-                         chat_template_kwargs=first.chat_template_kwargs if same_target else ())
+        base = first if target is None else matching_pair(preset, target)
+        if base is None:
+            pair = ModelPair(target, draft if draft is not None else first.draft)
+        else:
+            pair = dataclasses.replace(base, target=target if target is not None else base.target,
+                                       draft=draft if draft is not None else base.draft)
         changes["models"] = (pair,)
     if "budgets" in changes:
         changes.setdefault("optional_budgets", ())
     if "datasets" in changes:
+        if include_hub:
+            raise ValueError("give either the datasets to run or include_hub (--hub-datasets), not both")
         changes["datasets"] = tuple(canonical_name(d) for d in changes["datasets"])
+        changes.setdefault("hub_datasets", tuple(d for d in preset.hub_datasets if d not in changes["datasets"]))
+    elif include_hub and preset.hub_datasets:
+        chosen = set(preset.datasets) | set(preset.hub_datasets)
+        order = [d for d in KNOWN_DATASETS if d in chosen] + [d for d in preset.datasets if d not in KNOWN_DATASETS]
+        changes["datasets"], changes["hub_datasets"] = tuple(order), ()
     if "max_samples" in changes:  # an explicit sample count applies to every dataset
         changes.setdefault("samples_per_dataset", ())
     return dataclasses.replace(preset, **changes)

@@ -11,7 +11,9 @@ with t_plain the plain step, t_draft the drafter pass and t_verify(N) the measur
 size: 1.0 means the loop adds nothing beyond the two forwards; below it, bookkeeping eats the gain. Also times the
 drafter's layers and its LM head separately, the verify cost curve, and Hugging Face ``generate()`` on the same prompts
 (our plain decoding must not be slower). ``--kernels torch,packed`` runs everything with both CPU linear kernels
-(:mod:`dflash_core.cpu_kernels`), interleaved per prompt, and compares them. Prints a table; ``--out`` writes JSON.
+(:mod:`dflash_core.cpu_kernels`), interleaved per prompt, and compares them. The method ``auto`` (``budget="auto"``)
+also reports how far its online cost curve moved from the measured one over the run (relative error of the round
+seconds per tree size, :func:`ddtree.cost.curve_error`). Prints a table; ``--out`` writes JSON.
 """
 
 from __future__ import annotations
@@ -20,6 +22,17 @@ import argparse
 import time
 
 import torch
+
+from ddtree import ddtree_generate
+from ddtree.budget import AutoBudget
+from ddtree.cost import curve_error, measure_cost_model
+from dflash_core import autoregressive_generate
+from dflash_core.cpu_kernels import pack_linear_layers, set_packed_enabled
+from dflash_core.decoding import draft_states
+from dflash_core.model import DraftCache
+from dflash_core.target import TargetAdapter
+from dflash_core.timing import cpu_model, median_seconds
+from experiments.schema import write_json_atomic
 
 
 def _load(pair: str, dtype_name: str):
@@ -44,12 +57,6 @@ def _load(pair: str, dtype_name: str):
 @torch.inference_mode()
 def draft_split_ms(target, draft, context: int = 200, repeats: int = 7) -> dict:
     """Median ms of one steady-state drafter pass: its layers (4 new context tokens + a block) and its LM head."""
-    from dflash_core import TargetAdapter
-    from dflash_core.decoding import draft_states
-    from dflash_core.model import DraftCache
-
-    from ddtree.budget import median_seconds
-
     adapter = TargetAdapter(target, draft.config.target_layer_ids)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, adapter.vocab_size, (context + 4,), generator=g)
@@ -110,12 +117,63 @@ def _print_rows(rows: dict) -> None:
               f"{sol:>5}")
 
 
+STAGES = ("draft", "tree", "verify", "commit")
+
+
+def _run_all(target, draft, prompts, stops, methods, kernels, max_new_tokens: int) -> tuple[dict, dict]:
+    """Every method on every prompt with every kernel choice, interleaved per prompt: ({kernel: {method: totals}},
+    {kernel: the last ``auto`` policy})."""
+
+    def run(method, ids, n):
+        x = torch.tensor([ids])
+        if method == "ar":
+            return autoregressive_generate(target, x, n, stop_token_ids=stops), None
+        if method != "auto":
+            return ddtree_generate(target, draft, x, budget=method, max_new_tokens=n, stop_token_ids=stops), None
+        policy = AutoBudget.for_models(target, draft, context=len(ids))  # kept, to read its online cost curve
+        return ddtree_generate(target, draft, x, policy=policy, max_new_tokens=n, stop_token_ids=stops), policy
+
+    for k in kernels:
+        set_packed_enabled(k == "packed")
+        for m in methods:  # warm-up: every code path and shape once (``auto`` measures its cost curve here)
+            run(m, prompts[0], 8)
+    acc = {k: {m: {"tokens": 0, "rounds": 0, "nodes": 0, "decode": 0.0, **{s: 0.0 for s in STAGES}} for m in methods}
+           for k in kernels}
+    auto = {}
+    for ids in prompts:
+        for k in kernels:
+            set_packed_enabled(k == "packed")
+            for m in methods:
+                res, policy = run(m, ids, max_new_tokens)
+                e = acc[k][m]
+                e["tokens"] += sum(res.acceptance_lengths)
+                e["rounds"] += len(res.acceptance_lengths)
+                e["nodes"] += sum(res.tree_sizes)
+                e["decode"] += res.timings.get("decode", 0.0)
+                for stage in STAGES:
+                    e[stage] += res.timings.get(stage, 0.0)
+                if policy is not None:
+                    auto[k] = policy
+    return acc, auto
+
+
+def _print_kernel(r: dict) -> None:
+    _print_rows(r["methods"])
+    split = r["draft_split"]
+    print(f"drafter pass: layers {split['layers_ms']:.1f} ms + LM head {split['head_ms']:.1f} ms "
+          f"(draft vocabulary: {split['draft_vocab'] or 'full'})")
+    print("verify cost (ms) by draft nodes: " + ", ".join(f"{n}: {v:.1f}" for n, v in r["verify_curve_ms"].items()))
+    if r.get("auto_online_curve_error"):
+        print("auto: online cost curve vs measured (round seconds, relative, by draft nodes): "
+              + ", ".join(f"{n}: {e:+.0%}" for n, e in r["auto_online_curve_error"].items()))
+
+
 def main(argv=None) -> None:
     kernel_choices = ("torch", "packed")
     p = argparse.ArgumentParser(prog="python -m experiments.profile_round", description=__doc__.split("\n\n")[0])
     p.add_argument("--pair", choices=["default", "tiny"], default="default")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
-    p.add_argument("--methods", default="ar,chain,4,8,16,32", help="ar, chain and node budgets, comma-separated")
+    p.add_argument("--methods", default="ar,chain,4,8,16,32", help="ar, chain, auto and node budgets, comma-separated")
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=None)
@@ -129,51 +187,16 @@ def main(argv=None) -> None:
         p.error(f"--kernels must be distinct entries of {kernel_choices}, got {a.kernels!r}")
     if a.threads:
         torch.set_num_threads(a.threads)
-    from dflash_core import autoregressive_generate
-    from dflash_core.cpu_kernels import pack_linear_layers, set_packed_enabled
-    from dflash_core.timing import cpu_model
-
-    from ddtree import ddtree_generate
-    from ddtree.budget import measure_cost_model
-
     target, draft, prompts, stops = _load(a.pair, a.dtype)
     prompts = prompts[: a.prompts]
-    methods = [m if m in ("ar", "chain") else int(m) for m in a.methods.split(",")]
+    methods = [m if m in ("ar", "chain", "auto") else int(m) for m in a.methods.split(",")]
     if "packed" in kernels:
         if not (pack_linear_layers(target) + pack_linear_layers(draft)):
             p.error("--kernels packed: this torch build has no oneDNN packed linear")
-
-    def run(method, ids, n):
-        x = torch.tensor([ids])
-        if method == "ar":
-            return autoregressive_generate(target, x, n, stop_token_ids=stops)
-        return ddtree_generate(target, draft, x, budget=method, max_new_tokens=n, stop_token_ids=stops)
-
-    def use(kernel):
-        set_packed_enabled(kernel == "packed")
-
-    for k in kernels:
-        use(k)
-        for m in methods:  # warm-up: every code path and shape once
-            run(m, prompts[0], 8)
-    acc = {k: {m: {"tokens": 0, "rounds": 0, "nodes": 0, "decode": 0.0, "draft": 0.0, "tree": 0.0, "verify": 0.0,
-                   "commit": 0.0} for m in methods} for k in kernels}
-    for ids in prompts:
-        for k in kernels:
-            use(k)
-            for m in methods:
-                res = run(m, ids, a.max_new_tokens)
-                t = res.timings
-                e = acc[k][m]
-                e["tokens"] += sum(res.acceptance_lengths)
-                e["rounds"] += len(res.acceptance_lengths)
-                e["nodes"] += sum(res.tree_sizes)
-                e["decode"] += t.get("decode", 0.0)
-                for stage in ("draft", "tree", "verify", "commit"):
-                    e[stage] += t.get(stage, 0.0)
+    acc, auto = _run_all(target, draft, prompts, stops, methods, kernels, a.max_new_tokens)
     by_kernel = {}
     for k in kernels:
-        use(k)
+        set_packed_enabled(k == "packed")
         cost = measure_cost_model(target, draft, grid=(0, 1, 2, 4, 8, 16, 32, 64), context=200, use_cache=False)
         split = draft_split_ms(target, draft)
         plain = acc[k].get("ar")
@@ -182,23 +205,27 @@ def main(argv=None) -> None:
         by_kernel[k] = {"methods": _summarize(acc[k], cost, t_plain, ar_tps), "draft_split": split,
                         "verify_curve_ms": {str(n): 1000 * v for n, v in zip(cost.nodes, cost.verify_s)},
                         "ar_tokens_per_s": ar_tps}
+        if k in auto:
+            by_kernel[k]["auto_online_curve_error"] = {
+                str(n): e for n, e in curve_error(auto[k].online_cost, auto[k].cost).items()}
     set_packed_enabled(True)
     hf_tps = hf_generate_tps(target, prompts, a.max_new_tokens, stops) if kernels == ["torch"] else None
     first = by_kernel[kernels[0]]
     result = {"cpu": cpu_model(), "dtype": str(target.dtype), "threads": torch.get_num_threads(), "pair": a.pair,
               "prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "kernels": kernels, **first,
               "hf_generate_tokens_per_s": hf_tps, "by_kernel": by_kernel}
-    print(f"round profile: {result['cpu']}, {result['dtype']}, {result['threads']} threads, {len(prompts)} prompts x "
-          f"{a.max_new_tokens} tokens, greedy")
+    _report(result, kernels, by_kernel, first, hf_tps)
+    if a.out:
+        write_json_atomic(a.out, result)
+
+
+def _report(result: dict, kernels: list[str], by_kernel: dict, first: dict, hf_tps: float | None) -> None:
+    print(f"round profile: {result['cpu']}, {result['dtype']}, {result['threads']} threads, {result['prompts']} "
+          f"prompts x {result['max_new_tokens']} tokens, greedy")
     for k in kernels:
-        r = by_kernel[k]
         if len(kernels) > 1:
             print(f"\nkernels: {k}")
-        _print_rows(r["methods"])
-        split = r["draft_split"]
-        print(f"drafter pass: layers {split['layers_ms']:.1f} ms + LM head {split['head_ms']:.1f} ms "
-              f"(draft vocabulary: {split['draft_vocab'] or 'full'})")
-        print("verify cost (ms) by draft nodes: " + ", ".join(f"{n}: {v:.1f}" for n, v in r["verify_curve_ms"].items()))
+        _print_kernel(by_kernel[k])
     if len(kernels) > 1 and all(by_kernel[k]["ar_tokens_per_s"] for k in kernels):
         base = by_kernel[kernels[0]]
         for k in kernels[1:]:
@@ -210,10 +237,6 @@ def main(argv=None) -> None:
     if hf_tps and first["ar_tokens_per_s"]:
         print(f"plain decoding {first['ar_tokens_per_s']:.1f} tok/s vs Hugging Face generate() {hf_tps:.1f} tok/s "
               f"({first['ar_tokens_per_s'] / hf_tps:.2f}x)")
-    if a.out:
-        from .schema import write_json_atomic
-
-        write_json_atomic(a.out, result)
 
 
 if __name__ == "__main__":

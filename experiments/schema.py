@@ -32,12 +32,22 @@ SCHEMA_VERSION = 1
 RECORDS_FILENAME = "records.jsonl"
 MANIFEST_FILENAME = "manifest.json"
 
-METHODS = ("ar", "dflash", "ddtree")
+# ar: plain decoding; dflash: the drafter's chain (``budget="chain-auto"``: with a chosen length); ddtree: trees;
+# pld: draft-free prompt lookup (``dflash_core.lookup_generate``).
+METHODS = ("ar", "dflash", "ddtree", "pld")
+# Policies with a meaning beyond "the budget says it all" (SampleRecord.policy): DDTree trees that take in the
+# context's n-gram continuation (``ddtree_generate(lookup=True)``, PLD's proposals), and a user's policy class
+# (``--policy module:Class``), whose ``name`` is the record's budget and its label.
+LOOKUP_POLICY = "lookup"
+CUSTOM_POLICY = "custom"
 # DDTree tree kinds: the deterministic top-K tree (sample-and-match) and the sampled tree (recursive rejection
 # sampling). Records written before the field existed carry tree=None, which means "topk" for DDTree.
 TREE_KINDS = ("topk", "sampled")
 # Conventional key in SampleRecord.extra: number of draft nodes verified in each round (tree policies).
 EXTRA_TREE_SIZES = "tree_sizes"
+# Conventional key in SampleRecord.extra: committed tokens that came from context-lookup nodes, summed over the rounds
+# (PLD and DDTree+lookup); their share of all committed tokens is :func:`lookup_share`.
+EXTRA_LOOKUP_TOKENS = "lookup_tokens"
 # Where a record's greedy output first left plain decoding's, plain decoding's top-2 logit margin at that token
 # (extra["ar_margin_at_mismatch"]); below NEAR_TIE_MARGIN the two top tokens are a near-tie that bf16 rounding of
 # multi-token versus one-token forwards can flip (measured: up to ~0.3 logits on the embedded target).
@@ -52,11 +62,8 @@ def near_tie_or_equal(matches_ar: bool | None, extra: dict) -> bool | None:
     margin = extra.get(EXTRA_AR_MARGIN)
     return bool(matches_ar) or (margin is not None and margin < NEAR_TIE_MARGIN)
 
-# ---- display names and colours: the one place plots and the runner's summary take them from -------------------
-METHOD_LABELS = {"ar": "AR", "dflash": "DFlash", "ddtree": "DDTree"}
-METHOD_COLORS = {"ar": "#4d4d4d", "dflash": "#1f77b4", "ddtree": "#d62728"}
-# Extra colours for DDTree variants drawn side by side (oracle budget, policies, preset fixed budget).
-VARIANT_COLORS = {"oracle": "#d62728", "auto": "#ff7f0e", "fixed": "#9467bd", "other": "#8c564b"}
+# ---- display names: the one place plots and the runner's summary take them from (colours live in plots) ----------
+METHOD_LABELS = {"ar": "AR", "dflash": "DFlash", "ddtree": "DDTree", "pld": "PLD"}
 DATASET_LABELS = {
     "gsm8k": "GSM8K",
     "math500": "MATH-500",
@@ -68,6 +75,7 @@ DATASET_LABELS = {
     "swe-bench": "SWE-Bench",
     "mt-bench": "MT-Bench",
     "alpaca": "Alpaca",
+    "grounded": "Grounded",
 }
 DATASET_ORDER = tuple(DATASET_LABELS)
 
@@ -81,18 +89,58 @@ def tree_kind(method: str, tree: str | None) -> str | None:
 
 def method_label(method: str, policy: str | None = None, budget: int | str | None = None,
                  tree: str | None = None) -> str:
-    """Human-readable name of one method variant, e.g. ``DDTree (B=32)``, ``DDTree (auto)`` or, for the sampled
-    tree, ``DDTree sampled (B=32)``."""
+    """Human-readable name of one method variant, e.g. ``DDTree (B=32)``, ``DDTree (auto)``, for the sampled tree
+    ``DDTree sampled (B=32)``, with lookup branches ``DDTree+lookup (B=32)``, DFlash with a chosen chain length
+    ``DFlash (auto)``; a user's policy (``policy="custom"``) is called by its name (the budget)."""
     name = METHOD_LABELS.get(method, method)
+    if policy == CUSTOM_POLICY and budget is not None:
+        return str(budget)
+    if method == "dflash" and isinstance(budget, str):
+        return f"{name} ({budget.removeprefix('chain-')})"
     if method != "ddtree":
         return name
-    if tree_kind(method, tree) != "topk":
+    if policy == LOOKUP_POLICY:
+        name = f"{name}+lookup"
+    elif tree_kind(method, tree) != "topk":
         name = f"{name} {tree}"
     if isinstance(budget, int) and not isinstance(budget, bool):
         return f"{name} (B={budget})"
     if budget is not None:
         return f"{name} ({budget})"
     return f"{name} ({policy})" if policy else name
+
+
+def variant_sort_key(method: str, policy: str | None, budget: int | str | None, tree: str | None = None) -> tuple:
+    """Display order of variants: by method (``METHODS``); within one, the budget-less variant (plain DFlash), then
+    int budgets ascending with the tree kinds and the lookup tree of one budget side by side, then policies."""
+    rank = METHODS.index(method) if method in METHODS else len(METHODS)
+    kind = tree_kind(method, tree)
+    kind_rank = TREE_KINDS.index(kind) if kind in TREE_KINDS else len(TREE_KINDS)
+    if isinstance(budget, int) and not isinstance(budget, bool):
+        return (rank, 1, budget, kind_rank, policy == LOOKUP_POLICY, kind or "")
+    if budget is None:
+        return (rank, 0, 0, kind_rank, False, policy or "")
+    return (rank, 2, 0, kind_rank, False, f"{policy}:{budget}:{kind}")
+
+
+def paired_speedup(pairs: Iterable[tuple["SampleRecord", "SampleRecord"]]) -> float | None:
+    """AR time per token divided by the variant's, token-weighted over (AR record, variant record) pairs of the same
+    prompt where both generated tokens: ``(sum ar.decode_s / sum ar.n) / (sum m.decode_s / sum m.n)``; None without
+    such a pair or without measured time."""
+    pairs = [(a, m) for a, m in pairs if a.num_new_tokens > 0 and m.num_new_tokens > 0]
+    ar_time, m_time = sum(a.decode_s for a, _ in pairs), sum(m.decode_s for _, m in pairs)
+    if not pairs or ar_time <= 0 or m_time <= 0:
+        return None
+    ar_tokens, m_tokens = sum(a.num_new_tokens for a, _ in pairs), sum(m.num_new_tokens for _, m in pairs)
+    return (ar_time / ar_tokens) / (m_time / m_tokens)
+
+
+def lookup_share(records: Iterable["SampleRecord"]) -> float | None:
+    """Share of committed tokens (bonus included) that came from lookup nodes, over the records that say so
+    (``extra["lookup_tokens"]``); None when none does."""
+    with_lookup = [r for r in records if r.extra.get(EXTRA_LOOKUP_TOKENS) is not None]
+    committed = sum(sum(r.acceptance_lengths) for r in with_lookup)
+    return sum(r.extra[EXTRA_LOOKUP_TOKENS] for r in with_lookup) / committed if committed else None
 
 
 def dataset_label(dataset: str) -> str:
@@ -123,12 +171,15 @@ class SampleRecord:
     """Outcome of one method variant on one turn of one benchmark sample.
 
     ``turn`` is 0-based (MT-Bench has turns 0 and 1). ``budget``: node budget of a fixed tree (int), a policy name
-    such as ``"auto"`` (str), or None (AR, DFlash chain). ``decode_s`` is the wall time after prefill until the last
+    such as ``"auto"`` (str; DFlash's ``"chain-auto"``; a user policy's name), or None (AR, PLD, DFlash chain).
+    ``policy``: how a round's proposal is shaped (``ar``, ``chain``, ``fixed``, ``lookup``, ``custom``, or the
+    budget's policy name). ``decode_s`` is the wall time after prefill until the last
     token (prefill excluded); speedups compare ``decode_s / num_new_tokens``. ``acceptance_lengths``: tokens committed
     per round including the bonus token (AR: all ones). ``matches_ar``: at T = 0 whether the new tokens equal AR's,
     None where not compared. ``tree``: DDTree's tree kind (``"topk"`` or ``"sampled"``, see ``TREE_KINDS``); None
     for AR and DFlash, and in records written before the field existed (DDTree: top-K). ``extra``: free-form
-    per-round details (e.g. ``extra["tree_sizes"]``).
+    per-round details (e.g. ``extra["tree_sizes"]``, ``extra["lookup_tokens"]``). Records written before
+    ``chain-auto`` was filed under DFlash (method ``ddtree``) are read as DFlash's.
     """
 
     dataset: str
@@ -183,9 +234,9 @@ class SampleRecord:
 
     def record_key(self) -> tuple:
         """Identity for resuming: (dataset, sample_id, turn, method, budget, temperature), plus the tree kind
-        for trees other than top-K."""
+        for trees other than top-K and ``"lookup"`` for DDTree trees with lookup branches."""
         return record_key(self.dataset, self.sample_id, self.turn, self.method, self.budget, self.temperature,
-                          self.tree)
+                          self.tree, self.policy)
 
     # -- serialization
     def to_dict(self) -> dict[str, Any]:
@@ -202,6 +253,8 @@ class SampleRecord:
         unknown = {k: v for k, v in data.items() if k not in known}
         if unknown:  # written by a newer version: keep the values instead of dropping them
             kwargs["extra"] = {**unknown, **dict(kwargs.get("extra") or {})}
+        if kwargs.get("method") == "ddtree" and kwargs.get("budget") == "chain-auto":  # written before it was DFlash's
+            kwargs.update(method="dflash", tree=None)
         try:
             return cls(**kwargs)
         except TypeError as err:
@@ -216,12 +269,15 @@ class SampleRecord:
 
 
 def record_key(dataset: str, sample_id: Any, turn: int, method: str, budget: int | str | None,
-               temperature: float, tree: str | None = None) -> tuple:
+               temperature: float, tree: str | None = None, policy: str | None = None) -> tuple:
     """The resume key of a record that is about to be produced (same normalisation as SampleRecord). The tree kind
-    is appended only for trees other than top-K, so keys of older records stay what they were."""
+    is appended only for trees other than top-K, and ``"lookup"`` only for DDTree's lookup trees (``policy``), so
+    keys of older records stay what they were."""
     key = (dataset, str(sample_id), int(turn), method, budget, float(temperature))
     kind = tree_kind(method, tree)
-    return key if kind in (None, "topk") else key + (kind,)
+    if kind not in (None, "topk"):
+        key += (kind,)
+    return key + ("lookup",) if method == "ddtree" and policy == LOOKUP_POLICY else key
 
 
 def append_record(path: str | os.PathLike, record: SampleRecord) -> None:

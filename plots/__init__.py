@@ -2,7 +2,9 @@
 
     from plots import make_report, summary_table
     make_report("runs/", "runs/figures")      # PNG + PDF figures, Markdown + LaTeX tables
-    print(summary_table(records))             # the runner's closing summary
+    print(summary_table(records))             # every variant per dataset x temperature
+
+Colours of methods and variants: :mod:`plots.colors`. Nothing in ``experiments`` imports ``plots``.
 """
 
 from plots.figures import plot_acceptance_histograms, plot_all, plot_budget_tradeoff, plot_speedup

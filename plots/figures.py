@@ -16,7 +16,8 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullLocator
 
-from experiments.schema import METHOD_COLORS, METHOD_LABELS, VARIANT_COLORS, SampleRecord, dataset_label
+from experiments.schema import METHOD_LABELS, SampleRecord, dataset_label
+from plots.colors import METHOD_COLORS, VARIANT_COLORS
 from plots.metrics import ORACLE_LABEL, Stats, find, groups_of, oracle_stats
 
 STYLE = {
@@ -39,6 +40,9 @@ AR_LINE = {"color": "#555555", "linestyle": ":", "linewidth": 1.3}
 TOPK_SHADES = ("#9467bd", "#c5b0d5", "#6a3d9a", "#b294c7", "#54278f")
 SAMPLED_SHADES = ("#2ca02c", "#98df8a", "#1a7a1a", "#74c476", "#006d2c")
 SAMPLED_LINE = {"linestyle": "-.", "marker": "^", "markersize": 5, "linewidth": 1.4}
+# DDTree with lookup branches, next to the top-K tree at the same budgets: teal shades by budget, a dotted line.
+LOOKUP_SHADES = ("#17becf", "#9edae5", "#0e7c86", "#5fc7d2", "#08525a")
+LOOKUP_LINE = {"linestyle": ":", "marker": "D", "markersize": 4, "linewidth": 1.6}
 
 
 def temperature_tag(t: float) -> str:
@@ -73,9 +77,11 @@ def _speedup_series(stats: list[Stats], temperature: float,
     series: dict[str, dict[str, Stats]] = {}
     colors: dict[str, str] = {}
     extra_colors = iter([VARIANT_COLORS["other"], "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"])
-    # budgets that have a sampled tree: the top-K tree is drawn next to it at each of them
-    sampled_budgets = sorted({s.budget for d in datasets for s in find(stats, d, temperature, "ddtree")
-                              if s.is_sampled_tree})
+    ddtree = [s for d in datasets for s in find(stats, d, temperature, "ddtree")]
+    # budgets that have a sampled (lookup) tree: the top-K tree is drawn next to it at each of them
+    sampled_budgets = sorted({s.budget for s in ddtree if s.is_sampled_tree})
+    lookup_budgets = sorted({s.budget for s in ddtree if s.is_lookup_tree})
+    paired = sorted(set(sampled_budgets) | set(lookup_budgets))
 
     def add(label: str, dataset: str, s: Stats, color: str) -> None:
         if s.speedup is None:
@@ -83,22 +89,29 @@ def _speedup_series(stats: list[Stats], temperature: float,
         series.setdefault(label, {})[dataset] = s
         colors.setdefault(label, color)
 
+    def policy_color(s: Stats) -> str:
+        color = colors.get(s.label) or VARIANT_COLORS.get(str(s.budget)) or VARIANT_COLORS.get(s.policy)
+        return color or next(extra_colors, VARIANT_COLORS["other"])
+
     for dataset in datasets:
+        for s in find(stats, dataset, temperature, "pld"):
+            add(s.label, dataset, s, METHOD_COLORS["pld"])
         for s in find(stats, dataset, temperature, "dflash"):
-            add(s.label, dataset, s, METHOD_COLORS["dflash"])
+            add(s.label, dataset, s, METHOD_COLORS["dflash"] if s.budget is None else policy_color(s))
         oracle = oracle_stats(stats, dataset, temperature)
         if oracle is not None:
             add(ORACLE_LABEL, dataset, oracle, VARIANT_COLORS["oracle"])
         for s in find(stats, dataset, temperature, "ddtree"):
             if s.is_fixed_tree and s.budget == fixed_budget:
                 add(f"{s.label}, preset", dataset, s, VARIANT_COLORS["fixed"])
-            elif s.is_fixed_tree and s.budget in sampled_budgets:
-                add(s.label, dataset, s, TOPK_SHADES[sampled_budgets.index(s.budget) % len(TOPK_SHADES)])
+            elif s.is_fixed_tree and s.budget in paired:
+                add(s.label, dataset, s, TOPK_SHADES[paired.index(s.budget) % len(TOPK_SHADES)])
             elif s.is_sampled_tree:
                 add(s.label, dataset, s, SAMPLED_SHADES[sampled_budgets.index(s.budget) % len(SAMPLED_SHADES)])
+            elif s.is_lookup_tree:
+                add(s.label, dataset, s, LOOKUP_SHADES[lookup_budgets.index(s.budget) % len(LOOKUP_SHADES)])
             elif not s.is_fixed_tree:
-                color = colors.get(s.label) or VARIANT_COLORS.get(str(s.budget)) or VARIANT_COLORS.get(s.policy)
-                add(s.label, dataset, s, color or next(extra_colors, VARIANT_COLORS["other"]))
+                add(s.label, dataset, s, policy_color(s))
     return datasets, series, colors
 
 
@@ -174,90 +187,118 @@ def plot_speedup(stats: list[Stats], temperature: float, out_dir: str | Path, *,
 # ---- (b) budget trade-off ----------------------------------------------------------------------------------------
 
 
+def _tradeoff_lines(stats: list[Stats], temperature: float,
+                    datasets: list[str]) -> dict[str, dict[str, list[Stats]]]:
+    """{kind: {dataset: stats by budget}} of the lines drawn against the budget: top-K, sampled and lookup trees."""
+    def kind_of(s: Stats) -> str | None:
+        return "fixed" if s.is_fixed_tree else "sampled" if s.is_sampled_tree else "lookup" if s.is_lookup_tree else None
+
+    return {kind: {d: sorted((s for s in find(stats, d, temperature, "ddtree") if kind_of(s) == kind),
+                             key=lambda s: s.budget) for d in datasets}
+            for kind in ("fixed", "sampled", "lookup")}
+
+
+def _policies(stats: list[Stats], dataset: str, temperature: float) -> list[Stats]:
+    """Budget policies (DDTree's ``auto``, DFlash's ``chain-auto``, user policies): drawn at their mean tree size."""
+    return [s for m in ("dflash", "ddtree") for s in find(stats, dataset, temperature, m) if s.is_policy]
+
+
+def _tradeoff_axis(ax, metric: str, ylabel: str, stats: list[Stats], temperature: float, datasets: list[str],
+                   lines: dict[str, dict[str, list[Stats]]], colors: dict[str, str], budgets: list[int]) -> bool:
+    """One panel (speedup or τ); returns True when a policy had no recorded tree size (drawn as a dotted level)."""
+    styles = {"fixed": {"marker": "o", "markersize": 4, "linewidth": 1.6}, "sampled": SAMPLED_LINE,
+              "lookup": LOOKUP_LINE}
+    without_size = False
+    for d in datasets:
+        for kind, by in lines.items():
+            rows = [s for s in by[d] if getattr(s, metric) is not None]
+            if rows:
+                ax.plot([s.budget for s in rows], [getattr(s, metric) for s in rows], color=colors[d], **styles[kind])
+        for s in find(stats, d, temperature, "dflash"):
+            if s.budget is None and getattr(s, metric) is not None:
+                ax.axhline(getattr(s, metric), color=colors[d], linestyle="--", linewidth=1.0, alpha=0.8)
+        for s in _policies(stats, d, temperature):
+            if getattr(s, metric) is None:
+                continue
+            if s.mean_tree_size:
+                ax.plot([s.mean_tree_size], [getattr(s, metric)], marker="*", markersize=13,
+                        color=colors[d], markeredgecolor="black", markeredgewidth=0.6, linestyle="none")
+            else:  # policy without recorded tree sizes: a dotted level instead of a point
+                without_size = True
+                ax.axhline(getattr(s, metric), color=colors[d], linestyle=":", linewidth=1.2)
+    fixed = lines["fixed"]
+    present = [d for d in datasets if any(getattr(s, metric) is not None for s in fixed[d])]
+    if len(present) > 1:  # mean over the datasets that have this metric, at budgets all of them ran
+        common = [b for b in budgets if all(any(s.budget == b and getattr(s, metric) is not None
+                                                for s in fixed[d]) for d in present)]
+        if common:
+            mean = [sum(getattr(s, metric) for d in present for s in fixed[d] if s.budget == b)
+                    / len(present) for b in common]
+            ax.plot(common, mean, color="black", linewidth=2.6, marker="s", markersize=5, zorder=5)
+    if metric == "speedup":
+        ax.axhline(1.0, **AR_LINE)
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(FixedLocator(budgets))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.set_xlabel("Node budget B (log scale)")
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(bottom=0)
+    return without_size
+
+
+def _tradeoff_legend(datasets: list[str], colors: dict[str, str], lines: dict[str, dict[str, list[Stats]]],
+                     any_policy: bool, policy_without_size: bool) -> tuple[list[Line2D], list[str]]:
+    handles = [Line2D([], [], color=colors[d], linewidth=2) for d in datasets]
+    labels = [dataset_label(d) for d in datasets]
+    if len(datasets) > 1:
+        handles.append(Line2D([], [], color="black", linewidth=2.6, marker="s", markersize=5))
+        labels.append("Mean over datasets")
+    handles += [Line2D([], [], color="gray", marker="o", markersize=4, linewidth=1.6),
+                Line2D([], [], color="gray", linestyle="--", linewidth=1.0)]
+    labels += ["DDTree, fixed budget", "DFlash (chain)"]
+    if any(lines["sampled"].values()):
+        handles.append(Line2D([], [], color="gray", **SAMPLED_LINE))
+        labels.append("DDTree sampled tree, fixed budget")
+    if any(lines["lookup"].values()):
+        handles.append(Line2D([], [], color="gray", **LOOKUP_LINE))
+        labels.append("DDTree+lookup, fixed budget")
+    if any_policy:
+        handles.append(Line2D([], [], color="gray", marker="*", markersize=12, markeredgecolor="black",
+                              linestyle="none"))
+        labels.append("Budget policy (e.g. auto) at its mean tree size")
+        if policy_without_size:
+            handles.append(Line2D([], [], color="gray", linestyle=":", linewidth=1.2))
+            labels.append("Budget policy, tree size not recorded")
+    handles.append(Line2D([], [], **AR_LINE))
+    labels.append("AR (1×)")
+    return handles, labels
+
+
 def plot_budget_tradeoff(stats: list[Stats], temperature: float, out_dir: str | Path, *,
                          formats: Sequence[str] = ("png", "pdf"), subtitle: str | None = None) -> list[Path]:
     """Speedup and τ against the node budget (log2 axis), one line per dataset (plus their mean);
-    DFlash as dashed reference lines, sampled trees as dash-dot lines with triangles, budget policies such as
-    ``auto`` as stars at their mean tree size."""
+    DFlash as dashed reference lines, sampled trees as dash-dot lines with triangles, lookup trees as dotted lines
+    with diamonds, budget policies such as ``auto`` (and DFlash's ``chain-auto``) as stars at their mean tree size."""
     datasets = [d for d, t in groups_of(stats) if t == temperature]
-    fixed = {d: sorted((s for s in find(stats, d, temperature, "ddtree") if s.is_fixed_tree), key=lambda s: s.budget)
-             for d in datasets}
-    sampled = {d: sorted((s for s in find(stats, d, temperature, "ddtree") if s.is_sampled_tree),
-                         key=lambda s: s.budget) for d in datasets}
-    if not any(fixed.values()) and not any(sampled.values()):
+    lines = _tradeoff_lines(stats, temperature, datasets)
+    if not any(rows for by in lines.values() for rows in by.values()):
         return []
     colors = {d: DATASET_PALETTE[i % len(DATASET_PALETTE)] for i, d in enumerate(datasets)}
-    budgets = sorted({s.budget for by in (fixed, sampled) for rows in by.values() for s in rows})
-    policy_without_size = False
+    budgets = sorted({s.budget for by in lines.values() for rows in by.values() for s in rows})
 
     with matplotlib.rc_context(STYLE):
         fig = Figure(figsize=(11, 4.6), layout="constrained")
         axes = fig.subplots(1, 2)
+        without_size = False
         for ax, metric, ylabel in ((axes[0], "speedup", "Speedup over AR (×)"),
                                    (axes[1], "tau", "τ (mean tokens committed per round)")):
-            for d in datasets:
-                rows = [s for s in fixed[d] if getattr(s, metric) is not None]
-                if rows:
-                    ax.plot([s.budget for s in rows], [getattr(s, metric) for s in rows], marker="o",
-                            markersize=4, color=colors[d], linewidth=1.6)
-                rows = [s for s in sampled[d] if getattr(s, metric) is not None]
-                if rows:
-                    ax.plot([s.budget for s in rows], [getattr(s, metric) for s in rows], color=colors[d],
-                            **SAMPLED_LINE)
-                for s in find(stats, d, temperature, "dflash"):
-                    if getattr(s, metric) is not None:
-                        ax.axhline(getattr(s, metric), color=colors[d], linestyle="--", linewidth=1.0, alpha=0.8)
-                for s in find(stats, d, temperature, "ddtree"):
-                    if s.is_fixed_tree or s.is_sampled_tree or getattr(s, metric) is None:
-                        continue
-                    if s.mean_tree_size:
-                        ax.plot([s.mean_tree_size], [getattr(s, metric)], marker="*", markersize=13,
-                                color=colors[d], markeredgecolor="black", markeredgewidth=0.6, linestyle="none")
-                    else:  # policy without recorded tree sizes: a dotted level instead of a point
-                        policy_without_size = True
-                        ax.axhline(getattr(s, metric), color=colors[d], linestyle=":", linewidth=1.2)
-            present = [d for d in datasets if any(getattr(s, metric) is not None for s in fixed[d])]
-            if len(present) > 1:  # mean over the datasets that have this metric, at budgets all of them ran
-                common = [b for b in budgets if all(any(s.budget == b and getattr(s, metric) is not None
-                                                        for s in fixed[d]) for d in present)]
-                if common:
-                    mean = [sum(getattr(s, metric) for d in present for s in fixed[d] if s.budget == b)
-                            / len(present) for b in common]
-                    ax.plot(common, mean, color="black", linewidth=2.6, marker="s", markersize=5, zorder=5)
-            if metric == "speedup":
-                ax.axhline(1.0, **AR_LINE)
-            ax.set_xscale("log", base=2)
-            ax.xaxis.set_major_locator(FixedLocator(budgets))
-            ax.xaxis.set_minor_locator(NullLocator())
-            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-            ax.set_xlabel("Node budget B (log scale)")
-            ax.set_ylabel(ylabel)
-            ax.set_ylim(bottom=0)
+            without_size |= _tradeoff_axis(ax, metric, ylabel, stats, temperature, datasets, lines, colors, budgets)
         axes[0].set_title("Speedup")
         axes[1].set_title("Acceptance length τ")
         fig.suptitle(_title(f"DDTree budget trade-off, T = {temperature:g}", subtitle))
-
-        handles = [Line2D([], [], color=colors[d], linewidth=2) for d in datasets]
-        labels = [dataset_label(d) for d in datasets]
-        if len(datasets) > 1:
-            handles.append(Line2D([], [], color="black", linewidth=2.6, marker="s", markersize=5))
-            labels.append("Mean over datasets")
-        handles += [Line2D([], [], color="gray", marker="o", markersize=4, linewidth=1.6),
-                    Line2D([], [], color="gray", linestyle="--", linewidth=1.0)]
-        labels += ["DDTree, fixed budget", "DFlash (chain)"]
-        if any(sampled.values()):
-            handles.append(Line2D([], [], color="gray", **SAMPLED_LINE))
-            labels.append("DDTree sampled tree, fixed budget")
-        if any(not (s.is_fixed_tree or s.is_sampled_tree)
-               for d in datasets for s in find(stats, d, temperature, "ddtree")):
-            handles.append(Line2D([], [], color="gray", marker="*", markersize=12, markeredgecolor="black",
-                                  linestyle="none"))
-            labels.append("DDTree policy (e.g. auto) at its mean tree size")
-            if policy_without_size:
-                handles.append(Line2D([], [], color="gray", linestyle=":", linewidth=1.2))
-                labels.append("DDTree policy, tree size not recorded")
-        handles.append(Line2D([], [], **AR_LINE))
-        labels.append("AR (1×)")
+        any_policy = any(_policies(stats, d, temperature) for d in datasets)
+        handles, labels = _tradeoff_legend(datasets, colors, lines, any_policy, without_size)
         fig.legend(handles, labels, loc="outside lower center", ncol=min(5, len(labels)), frameon=False)
         return _save(fig, Path(out_dir), f"budget_tradeoff_{temperature_tag(temperature)}", formats)
 
@@ -269,7 +310,8 @@ def _histogram_variants(stats: list[Stats], dataset: str, temperature: float) ->
     """(stats, legend label, colour) of DFlash, of DDTree at its best budget and, when measured, of the best sampled
     tree (by speedup, else by τ) for one panel."""
     chosen = [(s, f"{s.label} (τ = {s.tau:.2f})", METHOD_COLORS["dflash"])
-              for s in find(stats, dataset, temperature, "dflash")[:1] if s.tau is not None]
+              for s in [s for s in find(stats, dataset, temperature, "dflash") if s.budget is None][:1]
+              if s.tau is not None]
     best = oracle_stats(stats, dataset, temperature)
     if best is not None:
         chosen.append((best, f"DDTree, oracle B = {best.budget} (τ = {best.tau:.2f})", METHOD_COLORS["ddtree"]))

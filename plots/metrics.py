@@ -10,8 +10,10 @@ Per (dataset, temperature) and method variant (method, policy, budget, tree kind
 - τ = Σ acceptance lengths ÷ number of rounds, over all rounds of all the variant's records;
 - exact-match rate = mean of ``matches_ar`` over the records where it is not None;
 - per-depth acceptance = share of rounds whose accepted path reached depth d; target forwards = prefill + rounds;
+- lookup share = committed tokens that came from context-lookup nodes ÷ all committed tokens (PLD, DDTree+lookup);
 - the oracle budget is the fixed DDTree budget with the highest speedup, chosen after the fact (among top-K trees;
-  sampled trees, ``tree="sampled"``, are shown next to the top-K tree at the same budgets, never as the oracle).
+  sampled trees, ``tree="sampled"``, and lookup trees, ``policy="lookup"``, are shown next to the top-K tree at the
+  same budgets, never as the oracle).
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from experiments.schema import (
-    EXTRA_TREE_SIZES, METHODS, TREE_KINDS, SampleRecord, bootstrap_ci, dataset_sort_key, method_label,
-    near_tie_or_equal, tree_kind,
+    EXTRA_TREE_SIZES, LOOKUP_POLICY, SampleRecord, bootstrap_ci, dataset_sort_key, lookup_share, method_label,
+    near_tie_or_equal, paired_speedup, tree_kind, variant_sort_key,
 )
 
 ORACLE_LABEL = "DDTree (oracle budget)"
@@ -34,9 +36,14 @@ def _int_budget(method: str, budget: int | str | None) -> bool:
     return method == "ddtree" and isinstance(budget, int) and not isinstance(budget, bool)
 
 
-def is_fixed_tree(method: str, budget: int | str | None, tree: str | None = None) -> bool:
-    """A top-K DDTree variant with an integer node budget (a candidate for the oracle budget)."""
-    return _int_budget(method, budget) and tree_kind(method, tree) == "topk"
+def is_fixed_tree(method: str, budget: int | str | None, tree: str | None = None, policy: str | None = None) -> bool:
+    """A top-K DDTree variant with an integer node budget and no lookup branches (a candidate for the oracle)."""
+    return _int_budget(method, budget) and tree_kind(method, tree) == "topk" and policy != LOOKUP_POLICY
+
+
+def is_lookup_tree(method: str, budget: int | str | None, policy: str | None) -> bool:
+    """A DDTree variant whose trees take in the context's n-gram continuation (``DDTree+lookup (B=..)``)."""
+    return _int_budget(method, budget) and policy == LOOKUP_POLICY
 
 
 def is_sampled_tree(method: str, budget: int | str | None, tree: str | None = None) -> bool:
@@ -76,6 +83,7 @@ class Stats:
     target_forwards: int | None = None  # target forward passes (prefill included) over all records
     # share of compared records equal to plain decoding or first leaving it at a near-tie (schema.NEAR_TIE_MARGIN)
     near_tie_match: float | None = None
+    lookup_share: float | None = None  # committed tokens from lookup nodes ÷ all committed (PLD, DDTree+lookup)
 
     @property
     def within_noise(self) -> bool:
@@ -85,22 +93,24 @@ class Stats:
 
     @property
     def is_fixed_tree(self) -> bool:
-        """A top-K tree with an integer budget."""
-        return is_fixed_tree(self.method, self.budget, self.tree)
+        """A top-K tree with an integer budget (no lookup branches)."""
+        return is_fixed_tree(self.method, self.budget, self.tree, self.policy)
+
+    @property
+    def is_lookup_tree(self) -> bool:
+        return is_lookup_tree(self.method, self.budget, self.policy)
+
+    @property
+    def is_policy(self) -> bool:
+        """A budget policy (a string budget such as ``auto``, DFlash's ``chain-auto`` or a user policy's name)."""
+        return self.method in ("ddtree", "dflash") and isinstance(self.budget, str)
 
     @property
     def is_sampled_tree(self) -> bool:
         return is_sampled_tree(self.method, self.budget, self.tree)
 
 
-def _variant_sort_key(method: str, policy: str, budget: int | str | None, tree: str | None = None) -> tuple:
-    """AR, DFlash, then DDTree by budget with the tree kinds of one budget side by side, then policies."""
-    rank = METHODS.index(method) if method in METHODS else len(METHODS)
-    kind = tree_kind(method, tree)
-    kind_rank = TREE_KINDS.index(kind) if kind in TREE_KINDS else len(TREE_KINDS)
-    if _int_budget(method, budget):
-        return (rank, 0, budget, kind_rank, kind or "")
-    return (rank, 1, 0, kind_rank, f"{policy}:{budget}:{kind}")
+_variant_sort_key = variant_sort_key  # the display order lives in experiments.schema (the runner's summary uses it)
 
 
 def _quartiles(values: list[float]) -> tuple[float, float, float] | tuple[None, None, None]:
@@ -152,7 +162,7 @@ def compute_stats(records: Iterable[SampleRecord]) -> list[Stats]:
         for (method, policy, budget, tree), rs in variants.items():
             stats.append(_variant_stats(dataset, temperature, method, policy, budget, rs, ar_by_sample, tree))
     stats.sort(key=lambda s: (dataset_sort_key(s.dataset), s.temperature,
-                              _variant_sort_key(s.method, s.policy, s.budget, s.tree)))
+                              variant_sort_key(s.method, s.policy, s.budget, s.tree)))
     return stats
 
 
@@ -161,13 +171,7 @@ def _variant_stats(dataset: str, temperature: float, method: str, policy: str, b
                    tree: str | None = None) -> Stats:
     partners = ((ar_by_sample.get(_sample_key(r)), r) for r in records)
     pairs = [(a, m) for a, m in partners if a is not None and a.num_new_tokens > 0 and m.num_new_tokens > 0]
-    speedup = None
-    ar_time = sum(a.decode_s for a, _ in pairs)
-    m_time = sum(m.decode_s for _, m in pairs)
-    if pairs and ar_time > 0 and m_time > 0:
-        ar_tokens = sum(a.num_new_tokens for a, _ in pairs)
-        m_tokens = sum(m.num_new_tokens for _, m in pairs)
-        speedup = (ar_time / ar_tokens) / (m_time / m_tokens)
+    speedup = paired_speedup(pairs)
     per_sample = sorted((a.decode_s / a.num_new_tokens) / (m.decode_s / m.num_new_tokens)
                         for a, m in pairs if m.decode_s > 0)
     median, q25, q75 = _quartiles(per_sample)
@@ -191,7 +195,7 @@ def _variant_stats(dataset: str, temperature: float, method: str, policy: str, b
         speedup_ci_low=ci_low, speedup_ci_high=ci_high,
         acceptance_by_depth=acceptance_by_depth(n for r in records for n in r.acceptance_lengths),
         target_forwards=sum(target_forwards(r) for r in records),
-        near_tie_match=sum(near) / len(near) if near else None,
+        near_tie_match=sum(near) / len(near) if near else None, lookup_share=lookup_share(records),
     )
 
 
@@ -214,18 +218,20 @@ def oracle_stats(stats: Iterable[Stats], dataset: str, temperature: float) -> St
 
 
 def headline_stats(stats: list[Stats], fixed_budget: int | None = None) -> list[Stats]:
-    """Per (dataset, temperature): AR, DFlash, DDTree at the oracle budget, every non-oracle DDTree policy
-    (a string budget such as ``auto``), the preset ``fixed_budget`` when given, and every sampled tree together
-    with the top-K tree at the same budget (the side-by-side comparison of the two tree kinds)."""
+    """Per (dataset, temperature): AR, PLD, DFlash (and DFlash with a chosen chain length), DDTree at the oracle
+    budget, every non-oracle DDTree policy (a string budget such as ``auto``), the preset ``fixed_budget`` when given,
+    and every sampled or lookup tree together with the top-K tree at the same budget (the side-by-side comparison
+    of the tree kinds)."""
     rows = []
     for dataset, temperature in groups_of(stats):
-        rows += find(stats, dataset, temperature, "ar") + find(stats, dataset, temperature, "dflash")
+        rows += find(stats, dataset, temperature, "ar") + find(stats, dataset, temperature, "pld")
+        rows += find(stats, dataset, temperature, "dflash")
         oracle = oracle_stats(stats, dataset, temperature)
         if oracle is not None:
             rows.append(oracle)
         trees = find(stats, dataset, temperature, "ddtree")
-        sampled_budgets = {s.budget for s in trees if s.is_sampled_tree}
+        paired_budgets = {s.budget for s in trees if s.is_sampled_tree or s.is_lookup_tree}
         for s in trees:
-            if not s.is_fixed_tree or s.budget == fixed_budget or s.budget in sampled_budgets:
+            if not s.is_fixed_tree or s.budget == fixed_budget or s.budget in paired_budgets:
                 rows.append(s)
     return rows

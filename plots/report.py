@@ -9,7 +9,7 @@ from experiments.schema import write_text_atomic
 from plots.figures import plot_all
 from plots.load import Run, find_runs, merge_records
 from plots.metrics import compute_stats, headline_stats
-from plots.tables import all_rows, footnote, latex_table, markdown_table
+from plots.tables import all_rows, footnote, latex_table, markdown_table, policy_table, stage_table
 
 
 def describe_runs(runs: list[Run]) -> str | None:
@@ -27,8 +27,9 @@ def describe_runs(runs: list[Run]) -> str | None:
 def make_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, formats: Sequence[str] = ("png", "pdf"),
                 fixed_budget: int | None = None) -> list[Path]:
     """Write the figures (every format), ``results_table.{md,tex}`` (AR, DFlash, oracle budget, policies, sampled
-    trees next to top-K trees of the same budgets) and
-    ``all_budgets.{md,tex}`` (every variant) for the runs under ``runs_dir``; returns the files written."""
+    and lookup trees next to top-K trees of the same budgets), ``all_budgets.{md,tex}`` (every variant),
+    ``policies_vs_oracle.md`` (when a budget policy was measured) and ``stage_times.md`` (where a round's time goes,
+    when a speculative method was measured) for the runs under ``runs_dir``; returns the files written."""
     runs_dir = Path(runs_dir)
     out_dir = Path(out_dir) if out_dir is not None else runs_dir / "figures"
     runs = find_runs(runs_dir)
@@ -45,11 +46,13 @@ def make_report(runs_dir: str | Path, out_dir: str | Path | None = None, *, form
         tex = out_dir / f"{stem}.tex"
         write_text_atomic(tex, latex_table(rows))
         paths += [md, tex]
-    from plots.tables import policy_table
-
     policies = policy_table(records)
     if policies:
         path = out_dir / "policies_vs_oracle.md"
         write_text_atomic(path, policies)
+        paths.append(path)
+    if any(r.method != "ar" for r in records):
+        path = out_dir / "stage_times.md"
+        write_text_atomic(path, "Where a round's time goes (all datasets):\n\n" + stage_table(records))
         paths.append(path)
     return paths

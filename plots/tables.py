@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from experiments.schema import NEAR_TIE_MARGIN, SampleRecord, dataset_label, dataset_sort_key
-from plots.metrics import ORACLE_LABEL, Stats, compute_stats, groups_of, headline_stats, oracle_stats
+from experiments.schema import (
+    NEAR_TIE_MARGIN, SampleRecord, dataset_label, dataset_sort_key, method_label, variant_sort_key,
+)
+from plots.metrics import ORACLE_LABEL, Stats, compute_stats, groups_of, headline_stats, oracle_stats, target_forwards
 
 _HEADER = ("Dataset", "T", "Method", "Speedup", "Per-prompt median [95% CI]", "τ", "Equal / up to near-ties", "n")
 FOOTNOTE = (f"Speedup = AR time per token ÷ method time per token (token-weighted over samples both finished); "
@@ -16,11 +18,27 @@ FOOTNOTE = (f"Speedup = AR time per token ÷ method time per token (token-weight
             f"and one-token forwards round differently and flip such near-ties; in fp32 every output is equal).")
 SAMPLED_NOTE = ("DDTree sampled = children drawn from the drafter's distribution and verified by recursive rejection "
                 "sampling; DDTree (B=…) = the deterministic top-K tree, verified by sample-and-match.")
+LOOKUP_NOTE = ("PLD = draft-free prompt lookup (the continuation of the context's longest earlier n-gram match); "
+               "DDTree+lookup = the top-K tree with that continuation merged in under the same budget; Lookup = share "
+               "of committed tokens that came from lookup nodes.")
+AUTO_CHAIN_NOTE = "DFlash (auto) = the drafter's chain with a per-round length chosen from the machine's cost curve."
+
+
+def _has_lookup(rows: Iterable[Stats]) -> bool:
+    return any(s.lookup_share is not None for s in rows)
 
 
 def footnote(rows: Iterable[Stats]) -> str:
-    """The table's footnote; it explains the sampled tree when the table shows one."""
-    return FOOTNOTE + (" " + SAMPLED_NOTE if any(s.is_sampled_tree for s in rows) else "")
+    """The table's footnote; it explains sampled trees, lookup variants and DFlash (auto) when the table shows them."""
+    rows = list(rows)
+    notes = [FOOTNOTE]
+    if any(s.is_sampled_tree for s in rows):
+        notes.append(SAMPLED_NOTE)
+    if _has_lookup(rows):
+        notes.append(LOOKUP_NOTE)
+    if any(s.method == "dflash" and isinstance(s.budget, str) for s in rows):
+        notes.append(AUTO_CHAIN_NOTE)
+    return " ".join(notes)
 
 
 def _num(value: float | None, digits: int = 2, suffix: str = "") -> str:
@@ -31,7 +49,7 @@ def _temperature(t: float) -> str:
     return f"{t:g}"
 
 
-def _cells(s: Stats, times: str = "×") -> list[str]:
+def _cells(s: Stats, times: str = "×", lookup: bool = False) -> list[str]:
     spread = "–"
     if s.speedup_median is not None:
         spread = f"{s.speedup_median:.2f} [{s.speedup_ci_low:.2f}, {s.speedup_ci_high:.2f}]"
@@ -41,13 +59,22 @@ def _cells(s: Stats, times: str = "×") -> list[str]:
     if s.exact_match is not None:
         near = s.exact_match if s.near_tie_match is None else s.near_tie_match
         match = f"{100 * s.exact_match:.0f}% / {100 * near:.0f}% ({s.num_compared})"
-    return [dataset_label(s.dataset), _temperature(s.temperature), s.label, _num(s.speedup, 2, times), spread,
-            _num(s.tau), match, str(s.num_records)]
+    cells = [dataset_label(s.dataset), _temperature(s.temperature), s.label, _num(s.speedup, 2, times), spread,
+             _num(s.tau), match, str(s.num_records)]
+    if lookup:  # the lookup share, just before n
+        cells.insert(7, "–" if s.lookup_share is None else f"{100 * s.lookup_share:.0f}%")
+    return cells
 
 
 def markdown_table(rows: Iterable[Stats]) -> str:
-    lines = ["| " + " | ".join(_HEADER) + " |", "|" + "|".join(["---"] * 3 + ["---:"] * 5) + "|"]
-    lines += ["| " + " | ".join(_cells(s)) + " |" for s in rows]
+    """One row per variant; a ``Lookup`` column (share of committed tokens from lookup nodes) when a row has one."""
+    rows = list(rows)
+    lookup = _has_lookup(rows)
+    header = list(_HEADER)
+    if lookup:
+        header.insert(7, "Lookup")
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * 3 + ["---:"] * (len(header) - 3)) + "|"]
+    lines += ["| " + " | ".join(_cells(s, lookup=lookup)) + " |" for s in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -62,15 +89,20 @@ def _latex_escape(text: str) -> str:
 
 def latex_table(rows: Iterable[Stats]) -> str:
     """A booktabs ``tabular`` (needs ``\\usepackage{booktabs}``); a rule between (dataset, temperature) groups."""
+    rows = list(rows)
+    lookup = _has_lookup(rows)
     header = ["Dataset", "$T$", "Method", "Speedup", "Median [95\\% CI]", r"$\tau$", "Equal / near-ties", "$n$"]
-    out = [r"\begin{tabular}{lllrrrrr}", r"\toprule", " & ".join(header) + r" \\", r"\midrule"]
+    if lookup:
+        header.insert(7, r"Lookup")
+    out = [r"\begin{tabular}{lll" + "r" * (len(header) - 3) + "}", r"\toprule", " & ".join(header) + r" \\",
+           r"\midrule"]
     previous = None
     for s in rows:
         group = (s.dataset, s.temperature)
         if previous is not None and group != previous:
             out.append(r"\midrule")
         previous = group
-        cells = [_latex_escape(c) for c in _cells(s, times="")]
+        cells = [_latex_escape(c) for c in _cells(s, times="", lookup=lookup)]
         if s.speedup is not None:
             cells[3] += r"$\times$"
         out.append(" & ".join(cells) + r" \\")
@@ -79,12 +111,13 @@ def latex_table(rows: Iterable[Stats]) -> str:
 
 
 def all_rows(stats: list[Stats]) -> list[Stats]:
-    """Every variant, with the oracle row after the fixed budgets (and sampled trees) of its group."""
+    """Every variant, with the oracle row after the fixed budgets (and sampled and lookup trees) of its group."""
     rows = []
     for dataset, temperature in groups_of(stats):
         group = [s for s in stats if s.dataset == dataset and s.temperature == temperature]
         oracle = oracle_stats(stats, dataset, temperature)
-        fixed_end = max((i for i, s in enumerate(group) if s.is_fixed_tree or s.is_sampled_tree), default=None)
+        fixed_end = max((i for i, s in enumerate(group) if s.is_fixed_tree or s.is_sampled_tree or s.is_lookup_tree),
+                        default=None)
         for i, s in enumerate(group):
             rows.append(s)
             if oracle is not None and i == fixed_end:
@@ -114,16 +147,13 @@ def stage_table(records: Iterable[SampleRecord]) -> str:
     generated token."""
     from collections import defaultdict
 
-    from plots.metrics import _variant_sort_key, target_forwards
-    from experiments.schema import method_label
-
     groups: dict[tuple, list[SampleRecord]] = defaultdict(list)
     for r in records:
         groups[(r.temperature, r.method, r.policy, r.budget, r.tree_kind)].append(r)
     lines = ["| T | Method | ms/round | " + " | ".join(STAGES) + " | other | τ | forwards/token |",
              "|---|---|" + "---:|" * (len(STAGES) + 4)]
     for (t, method, policy, budget, tree), rs in sorted(
-            groups.items(), key=lambda kv: (kv[0][0], _variant_sort_key(*kv[0][1:]))):
+            groups.items(), key=lambda kv: (kv[0][0], variant_sort_key(*kv[0][1:]))):
         rounds = sum(len(r.acceptance_lengths) for r in rs)
         tokens = sum(r.num_new_tokens for r in rs)
         if not rounds or not tokens:
@@ -139,12 +169,12 @@ def stage_table(records: Iterable[SampleRecord]) -> str:
 
 
 def policy_table(records: Iterable[SampleRecord]) -> str:
-    """How each DDTree policy (a string budget such as ``auto`` or ``chain-auto``) compares with the oracle: its
+    """How each budget policy (a string budget: DDTree's ``auto``, DFlash's ``chain-auto``, a user policy) compares
+    with the oracle: its
     speedup divided by the best fixed top-K budget's, per dataset and temperature, with the mean over datasets and
     the worst one. Empty when the run measured no policy or no fixed budget."""
     stats = compute_stats(records)
-    policies = sorted({(s.temperature, s.label) for s in stats
-                       if s.method == "ddtree" and isinstance(s.budget, str) and s.speedup is not None})
+    policies = sorted({(s.temperature, s.label) for s in stats if s.is_policy and s.speedup is not None})
     if not policies:
         return ""
     datasets = sorted({s.dataset for s in stats}, key=dataset_sort_key)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_core import DFlashConfig, DFlashDraftModel, build_target_layer_ids
+from dflash_core import DFlashDraftModel
+from dflash_core.config import DFlashConfig, build_target_layer_ids
 
 # Tiny models run fastest on one thread, and the suite stays fast when the machine is busy with other jobs.
 torch.set_num_threads(1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddtree.budget import CostModel
+from ddtree.cost import CostModel
 from experiments.auto_budget_study import FIXED, markdown, summarize
 
 
@@ -29,3 +29,28 @@ def test_summary_prices_rounds_with_the_curve_and_picks_the_oracle_per_dataset()
     text = markdown({"temperatures": {"0": {"c": out}}, "setup": {"cpu": "x", "dtype": "bf16", "samples": 1,
                                                                   "seed": 1, "max_new_tokens": 8}})
     assert "| auto |" in text and "gsm8k 8" in text
+
+
+def test_user_policies_are_loaded_by_name_and_refused_clearly(tmp_path, monkeypatch, capsys):
+    from experiments.auto_budget_study import main, user_policies
+    from experiments.policies import PolicyError
+
+    (tmp_path / "study_policy.py").write_text(
+        "from ddtree import FixedBudget\n\n"
+        "class Three(FixedBudget):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(3)\n"
+        "        self.name = 'three nodes'\n\n"
+        "class Clash(Three):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.name = 'B=8'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert user_policies(["study_policy:Three"]) == {"three nodes": "study_policy:Three"}
+    with pytest.raises(PolicyError, match="already a policy"):
+        user_policies(["study_policy:Clash"])
+    with pytest.raises(PolicyError, match="already a policy"):
+        user_policies(["study_policy:Three", "study_policy:Three"])
+    with pytest.raises(SystemExit) as exit_info:  # before any model is loaded
+        main(["--out", str(tmp_path / "out"), "--policy", "study_policy:Nope"])
+    assert exit_info.value.code == 2 and "has no 'Nope'" in capsys.readouterr().err

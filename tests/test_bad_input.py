@@ -138,17 +138,6 @@ def test_an_interrupted_write_leaves_the_old_file_whole(tmp_path):
     assert path.read_text() == "old\n" and [p.name for p in tmp_path.iterdir()] == ["config.json"]
 
 
-def test_a_cut_off_sample_line_costs_only_itself(tmp_path):
-    from dflash_core.training.respond import _end_with_newline, load_samples
-
-    path = tmp_path / "samples.jsonl"
-    path.write_text('{"a": 1}\n{"a": 2, "respo\n{"a": 3}\n{"a": 4, "cut')
-    _end_with_newline(path)  # what a resumed run does before appending
-    with open(path, "a") as f:
-        f.write('{"a": 5}\n')
-    assert [s["a"] for s in load_samples(path)] == [1, 3, 5]
-
-
 def test_a_policy_without_uses_draft_says_what_it_lacks(pair):
     class Half:
         name = "half"

@@ -49,13 +49,17 @@ def test_presets_are_valid_and_match_the_issue():
     for preset in PRESETS.values():
         assert preset.problems() == []
     default, quick, paper = get_preset("default"), get_preset("quick"), get_preset("paper")
-    assert set(default.datasets) == {"gsm8k", "math500", "aime24", "aime25", "humaneval", "mt-bench"}
-    assert default.methods == ("ar", "dflash", "ddtree") and default.temperatures == (0.0,)
+    assert set(default.datasets) == {"gsm8k", "math500", "aime24", "aime25", "humaneval", "mt-bench", "grounded"}
+    assert default.methods == ("ar", "dflash", "ddtree", "pld") and default.temperatures == (0.0,)
+    assert default.lookup_budgets == (16, "auto")
+    labels = [v.label for v in benchmark.make_variants(default)]
+    assert {"PLD", "DDTree+lookup (B=16)", "DDTree+lookup (auto)"} <= set(labels), labels
     assert [b for b in default.budgets if isinstance(b, int)] == [2, 4, 8, 16, 32, 64]
     assert {"auto", "chain-auto"} <= set(default.optional_budgets)
     assert default.models[0].target == "default" and default.models[0].draft == "default"
     assert len(quick.datasets) * quick.max_samples <= 2 and quick.max_new_tokens <= 64 and quick.budgets == (16,)
-    assert len(paper.models) == 3 and len(paper.datasets) == 10 and paper.temperatures == (0.0, 1.0)
+    paper_datasets = set(paper.datasets) | set(getattr(paper, "hub_datasets", ()))  # hub-only ones: when asked
+    assert len(paper.models) == 3 and len(paper_datasets) >= 10 and paper.temperatures == (0.0, 1.0)
     assert min(b for b in paper.budgets if isinstance(b, int)) == 16 and 1024 in paper.budgets
     assert paper.device == "cuda" and any(pair.device_map == "auto" for pair in paper.models)
     assert TINY.models[0] == ModelPair("tiny", "random", name="tiny")
@@ -68,6 +72,8 @@ def test_overrides_validate_and_normalize():
                 dict(temperatures=(-0.5,))):
         with pytest.raises(ValueError):
             with_overrides(TINY, **bad)
+    with pytest.raises(ValueError, match="lookup budget"):
+        with_overrides(TINY, lookup_budgets=("chain",))
     with pytest.raises(ValueError, match="known presets"):
         get_preset("huge")
 
@@ -164,18 +170,33 @@ def test_rerun_with_other_settings_is_refused(tiny_run, tmp_path, capsys):
     assert "other settings" in capsys.readouterr().err
 
 
-def test_sampling_run_has_no_exact_match(tmp_path):
+def test_sampling_run_checks_top_k_trees_against_plain_sampling(tmp_path):
+    """At T = 1 a top-K tree draws every committed token as plain decoding does (same seed): in fp32 its output
+    equals AR's; a sampled tree verifies by rejection sampling (other draws), so it is not compared."""
     out = tmp_path / "t1"
     args = ["--preset", "tiny", "--out", str(out), "--temperatures", "1", "--datasets", "gsm8k", "--max-samples", "1",
-            "--methods", "ar,ddtree", "--budgets", "4"]
+            "--methods", "ar,dflash,ddtree", "--budgets", "4", "--trees", "topk,sampled"]
     assert benchmark.main(args) == 0
     records = read_records(out / "records.jsonl")
-    assert {(r.method, r.temperature) for r in records} == {("ar", 1.0), ("ddtree", 1.0)}
-    assert all(r.matches_ar is None for r in records)
+    assert {(r.method, r.tree, r.temperature) for r in records} == {
+        ("ar", None, 1.0), ("dflash", None, 1.0), ("ddtree", "topk", 1.0), ("ddtree", "sampled", 1.0)}
+    for r in records:
+        assert r.matches_ar is (None if r.method == "ar" or r.tree == "sampled" else True), r
+
+
+def test_sampled_trees_are_not_measured_twice_at_temperature_zero(tmp_path):
+    """At T = 0 tree='sampled' is the top-K tree: one record, labelled topk, not a second one labelled sampled."""
+    out = tmp_path / "t0"
+    args = ["--preset", "tiny", "--out", str(out), "--temperatures", "0", "--datasets", "gsm8k", "--max-samples", "1",
+            "--methods", "ar,ddtree", "--budgets", "4", "--trees", "topk,sampled"]
+    assert benchmark.main(args) == 0
+    records = read_records(out / "records.jsonl")
+    assert sorted((r.method, str(r.tree)) for r in records) == [("ar", "None"), ("ddtree", "topk")]
+    assert benchmark.main(args) == 0  # a rerun finds nothing left to do
+    assert len(read_records(out / "records.jsonl")) == 2
 
 
 def test_auto_budget_is_a_method_variant(tmp_path, monkeypatch):
-    pytest.importorskip("ddtree.budget")
     monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "auto"
     args = ["--preset", "tiny", "--out", str(out), "--datasets", "gsm8k", "--max-samples", "1",
@@ -218,7 +239,7 @@ def test_gpu_check_tiny_cpu_path_writes_a_profile(tmp_path):
     # verify curves and round costs at both context lengths; budget="auto" reads the profile
     assert [c["context"] for c in tiny["cost_models"]] == [64, 128]
     assert len(tiny["verify_cost_128"]["tree_median_ms"]) == 7
-    from ddtree.budget import CostModel
+    from ddtree.cost import CostModel
 
     assert CostModel.from_profile(path, context=100).context == 128
     assert profile["schema"] == "ddtree-gpu-profile/1" and profile["device"].startswith("cpu")
@@ -345,3 +366,178 @@ def test_exact_match_column_separates_near_ties_from_real_differences():
     (stats,) = [s for s in compute_stats(records) if s.method == "ddtree"]
     assert stats.exact_match == 0.5 and stats.near_tie_match == 0.75
     assert "50% / 75% (4)" in markdown_table([stats])
+
+
+# ---------------------------------------------------------------------------------------------------- new variants
+def test_chain_auto_is_recorded_as_dflash(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "chain-auto"
+    args = ["--preset", "tiny", "--out", str(out), "--datasets", "gsm8k", "--max-samples", "1",
+            "--methods", "ar,dflash,ddtree", "--budgets", "4,chain-auto"]
+    assert benchmark.main(args) == 0
+    records = read_records(out / "records.jsonl")
+    auto = [r for r in records if r.budget == "chain-auto"]
+    assert len(auto) == 1 and (auto[0].method, auto[0].policy, auto[0].tree) == ("dflash", "chain-auto", None)
+    assert auto[0].matches_ar is True
+    assert {(r.method, r.budget) for r in records} == {("ar", None), ("dflash", None), ("dflash", "chain-auto"),
+                                                       ("ddtree", 4)}
+    assert "| DFlash (auto) |" in capsys.readouterr().out
+
+
+def test_prompt_lookup_and_lookup_trees_record_their_lookup_share(tmp_path, capsys):
+    out = tmp_path / "lookup"
+    args = ["--preset", "tiny", "--out", str(out), "--datasets", "gsm8k", "--max-samples", "1",
+            "--methods", "ar,pld", "--lookup-budgets", "4"]
+    assert benchmark.main(args) == 0
+    records = read_records(out / "records.jsonl")
+    by_label = {Variant(r.method, r.budget, r.tree, lookup=r.policy == "lookup" and r.method == "ddtree").label: r
+                for r in records}
+    assert set(by_label) == {"AR", "PLD", "DDTree+lookup (B=4)"}
+    pld, tree = by_label["PLD"], by_label["DDTree+lookup (B=4)"]
+    assert (pld.method, pld.policy, pld.budget) == ("pld", "lookup", None)
+    assert (tree.method, tree.policy, tree.budget, tree.tree) == ("ddtree", "lookup", 4, "topk")
+    for r in (pld, tree):
+        assert r.matches_ar is True  # fp32, T = 0: lossless
+        assert 0 <= r.extra["lookup_tokens"] <= sum(r.acceptance_lengths)
+    assert "lookup_tokens" not in by_label["AR"].extra
+    assert tree.record_key() == Variant("ddtree", 4, lookup=True).key("gsm8k", tree.sample_id, 0, 0.0)
+    printed = capsys.readouterr().out
+    assert "| PLD |" in printed and "| DDTree+lookup (B=4) |" in printed and "Lookup" in printed
+    assert benchmark.main(args) == 0  # resuming finds both lookup variants
+    assert len(read_records(out / "records.jsonl")) == 3
+    assert Variant("ddtree", "auto", lookup=True).label == "DDTree+lookup (auto)"
+    with pytest.raises(ValueError, match="lookup"):
+        Variant("ddtree", "chain-auto", lookup=True)
+
+
+POLICY_MODULE = '''
+import torch
+
+from ddtree import DraftTree
+
+
+class ShortChain:
+    """The drafter's top-1 token at the first two depths: a chain of at most two nodes."""
+
+    name, uses_draft = "short-chain", True
+
+    def propose(self, draft_logits, history):
+        logp = torch.log_softmax(draft_logits[:2].float(), dim=-1)  # [2, V]
+        best, tokens = logp.max(dim=-1)
+        n = len(tokens)
+        return DraftTree(tokens.cpu(), torch.arange(-1, n - 1), torch.arange(1, n + 1), best.cumsum(0).cpu())
+
+
+class NoPropose:
+    name, uses_draft = "broken", True
+
+
+class StringFlag(ShortChain):
+    uses_draft = "yes"
+
+
+class NeedsArguments(ShortChain):
+    def __init__(self, depth):
+        self.depth = depth
+
+
+NOT_A_CLASS = 3
+'''
+
+
+@pytest.fixture
+def policy_module(tmp_path, monkeypatch):
+    """A user's policy file, importable as ``tiny_user_policy`` (as from the working directory)."""
+    folder = tmp_path / "user"
+    folder.mkdir()
+    (folder / "tiny_user_policy.py").write_text(POLICY_MODULE)
+    monkeypatch.syspath_prepend(str(folder))
+    return "tiny_user_policy"
+
+
+def test_user_policy_class_is_a_variant_named_by_its_name(tmp_path, policy_module, capsys):
+    out = tmp_path / "custom"
+    args = ["--preset", "tiny", "--out", str(out), "--datasets", "gsm8k", "--max-samples", "1", "--methods", "ar",
+            "--policy", f"{policy_module}:ShortChain"]
+    assert benchmark.main(args) == 0
+    records = read_records(out / "records.jsonl")
+    (mine,) = [r for r in records if r.method != "ar"]
+    assert (mine.method, mine.budget, mine.policy) == ("ddtree", "short-chain", "custom")
+    assert mine.matches_ar is True and max(mine.extra["tree_sizes"]) <= 2
+    assert mine.extra["policy_class"] == f"{policy_module}:ShortChain"
+    assert "| short-chain |" in capsys.readouterr().out
+    session = Manifest.read(out / "manifest.json").extra["sessions"][-1]
+    assert session["extra_variants"][0]["policy_class"] == f"{policy_module}:ShortChain"
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("no_such_module_xyz:Policy", "cannot import module"),
+    ("{module}:Missing", "has no 'Missing'"),
+    ("{module}:NoPropose", "needs a method propose"),
+    ("{module}:StringFlag", "a bool attribute uses_draft"),
+    ("{module}:NeedsArguments", "no arguments"),
+    ("{module}:NOT_A_CLASS", "not a class"),
+    ("{module}", "expected module:Class"),
+])
+def test_bad_policy_classes_are_refused_clearly(tmp_path, policy_module, capsys, spec, message):
+    args = ["--preset", "tiny", "--out", str(tmp_path / "bad"), "--policy", spec.format(module=policy_module)]
+    assert benchmark.main(args) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()  # refused before any work
+
+
+# ---------------------------------------------------------------------------------------------------- datasets
+def test_unavailable_dataset_is_left_out_unless_named(tmp_path, monkeypatch, capsys):
+    from experiments import session
+    from experiments.datasets import DatasetUnavailableError
+
+    real = session.select_items
+
+    def offline(name, n, seed=0):
+        if name == "mt-bench":
+            raise DatasetUnavailableError("mt-bench needs the hub here")
+        return real(name, n, seed)
+
+    monkeypatch.setattr(session, "select_items", offline)
+    out = tmp_path / "offline"
+    args = ["--preset", "tiny", "--out", str(out), "--max-samples", "1", "--methods", "ar,dflash"]
+    assert benchmark.main(args) == 0  # the tiny preset's datasets: gsm8k and mt-bench
+    assert {r.dataset for r in read_records(out / "records.jsonl")} == {"gsm8k"}
+    assert "mt-bench" in capsys.readouterr().err
+    unavailable = Manifest.read(out / "manifest.json").extra["sessions"][-1]["datasets_unavailable"]
+    assert "needs the hub" in unavailable["mt-bench"]
+    named = ["--preset", "tiny", "--out", str(tmp_path / "named"), "--datasets", "gsm8k,mt-bench", "--max-samples",
+             "1", "--methods", "ar,dflash"]
+    assert benchmark.main(named) == 1
+    err = capsys.readouterr().err
+    assert "DatasetUnavailableError" in err and "'mt-bench' (asked for with --datasets)" in err
+
+
+# ---------------------------------------------------------------------------------------------------- run folder
+def test_manifest_is_read_once_and_written_once_per_event(tmp_path, monkeypatch):
+    reads, writes = [], []
+    real_read, real_write = Manifest.read.__func__, Manifest.write
+
+    monkeypatch.setattr(Manifest, "read", classmethod(lambda cls, path: reads.append(path) or real_read(cls, path)))
+    monkeypatch.setattr(Manifest, "write", lambda self, path: writes.append(path) or real_write(self, path))
+    out = tmp_path / "events"
+    args = ["--preset", "tiny", "--out", str(out), "--datasets", "gsm8k", "--max-samples", "1", "--methods", "ar,dflash"]
+    assert benchmark.main(args) == 0
+    assert reads == [] and len(writes) == 3  # a new folder: session start, sizing, session end
+    reads.clear(), writes.clear()
+    assert benchmark.main(args) == 0  # resumed with nothing to do: one read, start and end
+    assert len(reads) == 1 and len(writes) == 2
+    monkeypatch.undo()
+    sessions = Manifest.read(out / "manifest.json").extra["sessions"]
+    assert len(sessions) == 2 and all(s["complete"] for s in sessions) and "sizing" in sessions[0]
+
+
+def test_experiments_never_import_plots():
+    import ast
+
+    repo = Path(__file__).resolve().parent.parent
+    for path in sorted((repo / "experiments").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n.split(".")[0] == "plots" for n in names), f"{path.name} imports plots"

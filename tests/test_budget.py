@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
 
 from conftest import make_draft, make_target, prompt
 from ddtree import build_tree, ddtree_generate
+from ddtree import cost as cost_module
 from ddtree.budget import (
-    AutoBudget, CostModel, Round, _fit_beta, best_prefix, calibrated_probs, forget_shared_memory, measure_cost_model,
-    truncate_tree,
+    AutoBudget, Round, RoundMemory, _fit_beta, best_prefix, calibrated_probs, forget_shared_memory, truncate_tree,
 )
+from ddtree.cost import CostModel, OnlineCost, across_contexts, calibrate, curve_error, measure_cost_model
 from dflash_core import autoregressive_generate
 from dflash_core.replay import replay
+from dflash_core.target import TargetAdapter
 
 
 def brute_force_prefix(probs, cost):
@@ -221,7 +225,10 @@ def test_shared_memory_and_bad_options(monkeypatch, tmp_path):
     b = AutoBudget.for_models(target, draft, cost=cost)
     greedy_again = AutoBudget.for_models(target, draft, cost=cost, temperature=1.0)
     assert a.memory is b.memory and a.memory is not greedy_again.memory
-    assert AutoBudget.for_models(target, draft, cost=cost, shared=False).memory is not a.memory
+    assert a.online_cost is b.online_cost is not None and a.clock is not None  # the online curve is shared too
+    alone = AutoBudget.for_models(target, draft, cost=cost, share_memory=False)
+    assert alone.memory is not a.memory and alone.online_cost is not a.online_cost
+    assert AutoBudget.for_models(target, draft, cost=cost, online=False).clock is None
     forget_shared_memory()
     with pytest.raises(ValueError, match="calibration"):
         AutoBudget(cost, calibrate="isotonic")
@@ -233,8 +240,6 @@ def test_shared_memory_and_bad_options(monkeypatch, tmp_path):
 
 def test_round_memory_running_totals_equal_a_fresh_count():
     """The running sums after evictions equal the sums over the rounds still held (oracle: recount)."""
-    from ddtree.budget import RoundMemory
-
     rng = np.random.default_rng(4)
     memory = RoundMemory(window=7)
     for _ in range(30):
@@ -250,3 +255,139 @@ def test_round_memory_running_totals_equal_a_fresh_count():
     for method in ("depth", "bucket"):
         assert np.allclose(calibrated_probs(log_p, depths, memory, method),
                            calibrated_probs(log_p, depths, list(memory), method))
+
+
+# ---------------------------------------------------------------------------------------------------- online cost
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _run_rounds(policy, clock, seconds_of, rounds, rng, history):
+    """Drive ``policy`` as the decode loop does: propose, the round takes ``seconds_of(n)``, observe, commit; returns
+    the history (a round is timed at the next propose)."""
+    for _ in range(rounds):
+        logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(int(rng.integers(1 << 30)))) * 3
+        n = len(policy.propose(logits, history).token_ids)
+        clock.now += seconds_of(n)
+        accepted = int(rng.integers(0, min(n, 2) + 1))
+        policy.observe(accepted)
+        history = history + [5] * (accepted + 1)
+    return history
+
+
+def test_online_curve_learns_round_times_twice_the_measured_ones():
+    """Rounds that take twice what the measured curve says move the online curve to ~2x at every size; a single
+    stalled round (an outlier) moves nothing, and a gap between generations is not taken for a round."""
+    measured = CostModel((0, 4, 16, 32), (0.010, 0.012, 0.020, 0.030), fixed_s=0.004)
+    clock = FakeClock()
+    policy = AutoBudget(measured, cap=32, clock=clock)
+    rng = np.random.default_rng(0)
+    twice = lambda n: 2.0 * float(measured.round_seconds(n))  # noqa: E731
+    history = _run_rounds(policy, clock, twice, 40, rng, [1, 2, 3])
+    assert policy.online_cost.rounds == 39  # the last round ends at the next propose
+    error = curve_error(policy.online_cost, measured)
+    assert set(error) == {0, 4, 16, 32} and all(abs(e - 1.0) < 1e-9 for e in error.values()), error
+    assert np.allclose(policy._seconds, 2.0 * measured.round_seconds(np.arange(33)))  # the policy prices with it
+    assert policy.cost is measured and curve_error(measured, measured) == {0: 0.0, 4: 0.0, 16: 0.0, 32: 0.0}
+    history = _run_rounds(policy, clock, lambda n: 100.0, 1, rng, history)  # one stalled round
+    _run_rounds(policy, clock, twice, 1, rng, history)
+    assert policy.online_cost.rounds == 41
+    assert all(abs(e - 1.0) < 1e-9 for e in curve_error(policy.online_cost, measured).values())
+    clock.now += 50.0  # prefill of the next prompt
+    policy.propose(torch.randn(6, 40), [1, 2, 3])  # a new generation: its history did not grow from the last round
+    assert policy.online_cost.rounds == 41
+
+
+def test_online_curve_tracks_each_size_and_stays_replayable_without_a_clock():
+    measured = CostModel((0, 8, 64), (0.01, 0.02, 0.05), fixed_s=0.0)
+    online = OnlineCost(measured, window=32, min_rounds=3)
+    for _ in range(9):
+        online.observe(0, 3.0 * float(measured.round_seconds(0)))  # size 0 runs 3x slower than measured
+        online.observe(9, 2.0 * float(measured.round_seconds(9)))  # size 9 (nearest grid size: 8) 2x
+    # size 64 was never seen: the median over all recent rounds
+    assert online.corrections() == pytest.approx([math.log(3.0), math.log(2.0), math.log(6.0) / 2])
+    assert float(online.round_seconds(9)) == pytest.approx(2.0 * float(measured.round_seconds(9)), rel=0.05)
+    online.observe(8, float("nan"))  # ignored
+    assert online.rounds == 18
+    with pytest.raises(ValueError):
+        OnlineCost(measured, window=0)
+    assert AutoBudget(measured, cap=8).online_cost is None  # no clock: replayable, nothing timed
+
+
+def test_auto_reports_the_time_it_spent_measuring(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("DDTREE_CACHE", str(tmp_path))
+    forget_shared_memory()
+    target = make_target("llama", vocab=32, layers=2, dtype=torch.float32)
+    draft = make_draft(target, block_size=4)
+    with caplog.at_level("INFO", logger="ddtree"):
+        policy = AutoBudget.for_models(target, draft, cap=8, context=20, chain=True, share_memory=False)
+    assert policy.calibration_s > 0 and policy.cost.context == 64 and policy.chain
+    assert any("measured the round cost curve" in r.getMessage() for r in caplog.records)
+    again = AutoBudget.for_models(target, draft, cap=8, context=20, chain=True, share_memory=False)
+    assert again.calibration_s == 0.0 and again.cost == policy.cost  # read from the cache: nothing measured
+
+
+def test_calibrate_measures_each_bucket_once_and_auto_derives_the_others(monkeypatch, tmp_path):
+    monkeypatch.setenv("DDTREE_CACHE", str(tmp_path))
+    target = make_target("llama", vocab=32, layers=2, dtype=torch.float32)
+    draft = make_draft(target, block_size=4)
+    curves = calibrate(target, draft, contexts=[20, 100, 400], cap=8, repeats=1)
+    assert sorted(curves) == [64, 128]  # 512 + a tree of 128 nodes does not fit the target's 512 positions
+    assert all(c.measured_s > 0 and c.context == b for b, c in curves.items())
+    monkeypatch.setattr(cost_module, "_verify_seconds", lambda *a, **k: pytest.fail("measured again"))
+    assert calibrate(target, draft, contexts=[20, 100], cap=8) == curves  # cache hits: free
+    assert calibrate(target, draft, cap=8, max_context=300) == curves  # every bucket that fits 300 positions
+    derived = AutoBudget.for_models(target, draft, cap=8, context=300, share_memory=False)
+    assert derived.calibration_s == 0.0 and derived.cost.context == 512
+    assert derived.cost == across_contexts(list(curves.values()), 512)
+
+
+def test_curves_across_context_lengths():
+    short = CostModel((0, 8), (0.010, 0.020), 0.002, key="k", context=64)
+    long = CostModel((0, 8), (0.014, 0.030), 0.003, key="k", context=128)
+    middle = across_contexts([long, short], 96)
+    assert middle.verify_s == pytest.approx((0.012, 0.025)) and middle.fixed_s == pytest.approx(0.0025)
+    assert middle.context == 96 and middle.key == "k"
+    far = across_contexts([short, long], 256)  # extrapolated from the two longest
+    assert far.verify_s == pytest.approx((0.022, 0.050)) and far.fixed_s == pytest.approx(0.005)
+    assert across_contexts([short, long], 32).verify_s == short.verify_s
+    shrinking = CostModel((0, 8), (0.009, 0.019), 0.002, context=128)  # noise: the longer measured cheaper
+    assert across_contexts([short, shrinking], 512).verify_s == pytest.approx(shrinking.verify_s)
+
+
+def test_chain_auto_prices_chains_without_a_mask(monkeypatch):
+    """chain-auto's curve verifies chains causally (no visibility mask: a flash-attention target can run it); the
+    tree curve verifies under the ancestor mask."""
+    masks = []
+    real_forward = TargetAdapter.forward
+
+    def forward(self, token_ids, position_ids, cache, visibility=None, **kwargs):
+        masks.append(visibility is not None)
+        return real_forward(self, token_ids, position_ids, cache, visibility=visibility, **kwargs)
+
+    monkeypatch.setattr(TargetAdapter, "forward", forward)
+    target = make_target("qwen3", vocab=32, layers=2, dtype=torch.float32)
+    draft = make_draft(target, block_size=5)
+    chain = measure_cost_model(target, draft, context=16, repeats=1, cap=8, chain=True, use_cache=False)
+    assert chain.nodes == (0, 1, 2, 4) and masks and not any(masks)  # chains of up to block - 1 nodes
+    masks.clear()
+    tree = measure_cost_model(target, draft, grid=(0, 2, 8), context=16, repeats=1, cap=8, use_cache=False)
+    assert any(masks) and tree.key != chain.key  # priced apart
+    seen = {}
+    monkeypatch.setattr("ddtree.budget.measure_cost_model", lambda *a, **k: seen.update(k) or chain)
+    assert AutoBudget.for_models(target, draft, chain=True, share_memory=False).cost is chain
+    assert seen["chain"] is True and seen["extrapolate"] is True
+
+
+@pytest.mark.parametrize("chain", [False, True])
+def test_auto_maps_compact_draft_columns_to_target_ids(chain):
+    cost = CostModel((0, 64), (0.01, 0.01), 0.0)  # flat: verify everything up to the cap
+    logits = torch.randn(4, 6, generator=torch.Generator().manual_seed(0)) * 3
+    token_map = torch.tensor([10, 11, 12, 13, 14, 15])
+    plain = AutoBudget(cost, cap=12, chain=chain, calibrate=False).propose(logits, [])
+    mapped = AutoBudget(cost, cap=12, chain=chain, calibrate=False).propose(logits, [], token_map=token_map)
+    assert torch.equal(mapped.token_ids, token_map[plain.token_ids]) and len(mapped.token_ids) > 0

@@ -119,14 +119,15 @@ def test_a_cpu_without_bf16_kernels_keeps_bf16_layers_plain(monkeypatch):
 @needs_packed
 def test_kernel_cache_is_keyed_by_the_speed_environment_and_survives_damage(monkeypatch, tmp_path):
     from dflash_core import cpu_kernels
+    from dflash_core.timing import cache_path
 
     monkeypatch.setenv("DDTREE_CACHE", str(tmp_path))
     monkeypatch.delenv("MKL_CBWR", raising=False)
     target = make_target("llama", vocab=64, dtype=torch.float32)
-    plain = cpu_kernels._kernel_cache_path(target)
+    plain = cpu_kernels._kernel_key(target)
     monkeypatch.setenv("MKL_CBWR", "AVX2")
-    assert cpu_kernels._kernel_cache_path(target) != plain  # another kernel choice: another cache entry
-    path = cpu_kernels._kernel_cache_path(target)
+    assert cpu_kernels._kernel_key(target) != plain  # another kernel choice: another cache entry
+    path = cache_path("kernels", cpu_kernels._kernel_key(target))
     path.parent.mkdir(parents=True)
     path.write_text('{"choice": "pa')  # cut off
     monkeypatch.setattr(cpu_kernels, "measure_kernels", lambda *a, **k: {"torch": {1: 1.0}, "packed": {1: 2.0}})

@@ -1,6 +1,8 @@
 """Offline benchmark loaders: counts, prompt formats, seeded selection, benchmark/training split, chat prompts."""
 
+import json
 import sys
+import types
 
 import pytest
 
@@ -19,7 +21,8 @@ from experiments.datasets import (
 )
 
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
-EXPECTED_COUNTS = {"gsm8k": 1319, "math500": 311, "aime24": 30, "aime25": 30, "humaneval": 164, "mt-bench": 80}
+EXPECTED_COUNTS = {"gsm8k": 1319, "math500": 311, "aime24": 30, "aime25": 30, "humaneval": 164, "mt-bench": 80,
+                   "grounded": 84}
 
 
 @pytest.mark.parametrize("name", OFFLINE_DATASETS)
@@ -86,19 +89,173 @@ def test_missing_package_names_pip_command(monkeypatch):
         datasets._pool.cache_clear()
 
 
-@pytest.mark.parametrize("name", ["mbpp", "alpaca", "livecodebench", "swe-bench"])
-def test_hub_dataset_without_datasets_package(monkeypatch, name):
+@pytest.fixture
+def fresh_pools():
+    """Loaders patched in a test must not leave their fake rows in the pool cache."""
+    datasets._pool.cache_clear()
+    yield
+    datasets._pool.cache_clear()
+
+
+def _online(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+
+
+@pytest.mark.parametrize("name", ["mbpp", "alpaca", "swe-bench"])
+def test_hub_dataset_without_datasets_package(monkeypatch, fresh_pools, name):
+    _online(monkeypatch)
     monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
-    with pytest.raises(DatasetUnavailableError, match="Hugging Face Hub"):
+    with pytest.raises(DatasetUnavailableError, match="Hugging Face Hub") as err:
         load_dataset(name)
+    assert "pip install datasets" in str(err.value) and "HF_HUB_OFFLINE" in str(err.value)
 
 
-def test_hub_dataset_with_hub_offline(monkeypatch):
+def test_hub_dataset_with_hub_offline(monkeypatch, fresh_pools):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(DatasetUnavailableError, match="HF_HUB_OFFLINE"):
         select_items("mbpp", 5, 0)
+
+
+def _fake_datasets(monkeypatch, rows_by_repo, calls=None, error=None):
+    def load_dataset(*args, split):
+        if calls is not None:
+            calls.append((args, split))
+        if error is not None:
+            raise error
+        return rows_by_repo[args[0]]
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+
+
+def test_hub_prompts_follow_the_reference_harness(monkeypatch, fresh_pools):
+    """mbpp: the raw prompt; swe-bench: problem statement + fix request; alpaca: instruction (+ input)."""
+    _online(monkeypatch)
+    calls = []
+    _fake_datasets(monkeypatch, {
+        "google-research-datasets/mbpp": [{"task_id": 2, "prompt": "Write a function.", "code": "def f(): pass",
+                                           "test_list": ["assert f() is None"]}],
+        "princeton-nlp/SWE-bench_Lite": [{"instance_id": "astropy__astropy-12907", "problem_statement": "It breaks.",
+                                          "patch": "diff", "repo": "astropy/astropy"}],
+        "tatsu-lab/alpaca": [{"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"},
+                             {"instruction": "Say hi.", "input": "", "output": "hi"}],
+    }, calls)
+    mbpp = load_dataset("mbpp")
+    assert mbpp[0].sample_id == "2" and mbpp[0].turns == ["Write a function."]
+    assert mbpp[0].metadata["test_list"] == ["assert f() is None"]
+    swe = load_dataset("swe-bench")
+    assert swe[0].sample_id == "astropy__astropy-12907" and swe[0].reference == "diff"
+    assert swe[0].turns == ["Problem Statement:\nIt breaks.\nPlease fix the issue described above."]
+    alpaca = load_dataset("alpaca")
+    assert [a.turns for a in alpaca] == [["Add the numbers.\n\nInput:\n2 and 3"], ["Say hi."]]
+    assert (("google-research-datasets/mbpp", "sanitized"), "test") in calls
+    assert (("princeton-nlp/SWE-bench_Lite",), "test") in calls and (("tatsu-lab/alpaca",), "train") in calls
+
+
+def test_hub_load_failure_names_the_offline_switch(monkeypatch, fresh_pools):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    _fake_datasets(monkeypatch, {}, error=ConnectionError("offline mode is enabled"))
+    with pytest.raises(DatasetUnavailableError, match="HF_DATASETS_OFFLINE is set and it is not in the local"):
+        load_dataset("swe-bench")
+    _online(monkeypatch)
+    _fake_datasets(monkeypatch, {}, error=OSError("no route to host"))
+    with pytest.raises(DatasetUnavailableError, match="could not be reached: OSError: no route to host"):
+        load_dataset("swe-bench")
+
+
+def _lcb_row(qid, starter="", **extra):
+    return {"question_id": qid, "question_title": f"title {qid}", "question_content": f"Solve problem {qid}.",
+            "starter_code": starter, "platform": "leetcode", "difficulty": "easy", "contest_date": "2024-01-01",
+            "public_test_cases": "[]", "private_test_cases": "PRIVATE" * 100, **extra}
+
+
+def _write_lcb(tmp_path):
+    """The six release files: a starter-code problem, a stdin problem, and one problem repeated by a later file."""
+    paths = {}
+    for i, name in enumerate(datasets.LIVECODEBENCH_FILES):
+        rows = [_lcb_row(f"q{i}", "class Solution:\n    def f(self, x: int) -> int:\n        ")] if i % 2 == 0 else \
+            [_lcb_row(f"q{i}")]
+        if i == 5:
+            rows.append(_lcb_row("q0"))
+        paths[name] = tmp_path / name
+        paths[name].write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
+    return paths
+
+
+def test_livecodebench_reads_the_jsonl_files_without_datasets(monkeypatch, fresh_pools, tmp_path):
+    """Six JSONL files through huggingface_hub (no `datasets`: its loading script is refused by datasets >= 4),
+    in the reference harness's prompt format; private tests are not kept; a repeated problem counts once."""
+    import huggingface_hub
+
+    _online(monkeypatch)
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    paths = _write_lcb(tmp_path)
+    downloads = []
+
+    def download(repo_id, filename, *, repo_type=None, **kwargs):
+        downloads.append((repo_id, filename, repo_type))
+        return str(paths[filename])
+
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *a, **k: None)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    items = load_dataset("livecodebench")
+    assert downloads == [("livecodebench/code_generation_lite", f, "dataset") for f in datasets.LIVECODEBENCH_FILES]
+    assert [i.sample_id for i in items] == ["q0", "q1", "q2", "q3", "q4", "q5"]
+    with_starter, stdin = items[0].turns[0], items[1].turns[0]
+    assert with_starter.startswith("You are an expert Python programmer. You will be given a question (problem "
+                                   "specification) and will generate a correct Python program")
+    assert "You will NOT return anything except for the program\n\n### Question:\nSolve problem q0.\n\n" in with_starter
+    assert with_starter.endswith("### Format: Use the following code structure:\n```python\nclass Solution:\n"
+                                 "    def f(self, x: int) -> int:\n        \n```\n\n"
+                                 "### Answer: (use the provided format with backticks)")
+    assert stdin.endswith("### Format: Write your code in the following format:\n```python\n# YOUR CODE HERE\n```"
+                          "\n\n### Answer: (use the provided format with backticks)")
+    assert items[0].metadata["platform"] == "leetcode" and items[5].metadata["file"] == "test6.jsonl"
+    assert all("PRIVATE" not in json.dumps(i.metadata) + i.turns[0] for i in items)
+    assert datasets.BENCHMARK_POOL_SIZE["livecodebench"] is None and training_split("livecodebench") == []
+
+
+def test_livecodebench_from_the_local_cache_when_offline(monkeypatch, fresh_pools, tmp_path):
+    import huggingface_hub
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    paths = _write_lcb(tmp_path)
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache",
+                        lambda repo_id, filename, repo_type=None, **k: str(paths[filename]))
+
+    def no_download(*a, **k):
+        raise AssertionError("no download when every file is cached")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", no_download)
+    assert len(load_dataset("livecodebench")) == 6
+
+
+def test_livecodebench_offline_and_not_cached(monkeypatch, fresh_pools):
+    import huggingface_hub
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *a, **k: None)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda *a, **k: pytest.fail("must not download"))
+    with pytest.raises(DatasetUnavailableError, match=r"HF_HUB_OFFLINE is set and test\.jsonl is not in the local"):
+        load_dataset("livecodebench")
+
+
+def test_livecodebench_unreachable_stops_at_the_first_file(monkeypatch, fresh_pools):
+    import huggingface_hub
+
+    _online(monkeypatch)
+    calls = []
+
+    def fail(repo_id, filename, **kwargs):
+        calls.append(filename)
+        raise OSError("Name or service not known")
+
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *a, **k: None)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fail)
+    with pytest.raises(DatasetUnavailableError, match="Hugging Face Hub.*could not be reached"):
+        load_dataset("livecodebench")
+    assert calls == ["test.jsonl"]
 
 
 def test_selection_is_seeded_stable_and_extends():
@@ -117,7 +274,7 @@ def test_selection_is_seeded_stable_and_extends():
 
 @pytest.mark.parametrize("name,benchmark,training", [
     ("gsm8k", 200, 1119), ("math500", 200, 111), ("humaneval", 80, 84),
-    ("aime24", 30, 0), ("aime25", 30, 0), ("mt-bench", 80, 0),
+    ("aime24", 30, 0), ("aime25", 30, 0), ("mt-bench", 80, 0), ("grounded", 84, 0),
 ])
 def test_benchmark_and_training_splits_are_disjoint(name, benchmark, training):
     bench, train = benchmark_split(name), training_split(name)

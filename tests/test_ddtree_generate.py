@@ -11,7 +11,8 @@ import torch
 import dflash_core.decoding as decoding
 from conftest import make_draft, make_target, prompt
 from ddtree import DraftTree, build_tree, ddtree_generate
-from dflash_core import TargetAdapter, autoregressive_generate, dflash_generate, speculative_generate
+from dflash_core import autoregressive_generate, dflash_generate, speculative_generate
+from dflash_core.target import TargetAdapter
 from dflash_core.decoding import compile_proposal
 from test_decoding import chi_square_p, exact_joint, lossy_follow
 

@@ -9,7 +9,8 @@ import torch
 
 import dflash_core.decoding as decoding
 from conftest import make_draft, make_target, prompt
-from dflash_core import ChainProposal, autoregressive_generate, dflash_generate, speculative_generate
+from dflash_core import autoregressive_generate, dflash_generate, speculative_generate
+from dflash_core.tree import DraftTree
 
 
 class OracleChain:
@@ -24,7 +25,7 @@ class OracleChain:
     def __init__(self, reference: list[int], prompt_len: int, seed: int) -> None:
         self.reference, self.prompt_len, self.rng = reference, prompt_len, random.Random(seed)
 
-    def propose(self, draft_logits: torch.Tensor, history: list[int]) -> ChainProposal:
+    def propose(self, draft_logits: torch.Tensor, history: list[int]) -> DraftTree:
         depth = draft_logits.shape[0]
         pos = len(history) - self.prompt_len  # index in `reference` of the first token after the root
         tokens = list(self.reference[pos: pos + depth])
@@ -32,7 +33,7 @@ class OracleChain:
         cut = self.rng.randint(0, depth)
         if cut < depth:  # corrupt one token: everything below it must be rejected
             tokens[cut] = (tokens[cut] + 1 + self.rng.randrange(draft_logits.shape[1] - 1)) % draft_logits.shape[1]
-        return ChainProposal(torch.tensor(tokens), torch.zeros(depth))
+        return DraftTree.chain(torch.tensor(tokens), torch.zeros(depth))
 
 
 @pytest.mark.parametrize("block_size", [2, 4, 16])
@@ -145,7 +146,7 @@ class PeakedChain:
     name, uses_draft = "peaked", True
 
     def propose(self, draft_logits, history):
-        return ChainProposal(torch.tensor([1, 2, 1, 2][: draft_logits.shape[0]]), torch.zeros(min(4, draft_logits.shape[0])))
+        return DraftTree.chain(torch.tensor([1, 2, 1, 2][: draft_logits.shape[0]]))
 
 
 def lossy_follow(token_ids, parents, logits, temperature, generator):

@@ -22,9 +22,11 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from conftest import make_draft, make_target, prompt
+from dflash_core.config import DFlashConfig
+from dflash_core.model import DraftCache
+from dflash_core.target import TargetAdapter
 from dflash_core import (
-    DFlashConfig, DFlashDraftModel, DraftCache, IncompatibleModelError, TargetAdapter, autoregressive_generate,
-    dflash_generate, load_draft,
+    DFlashDraftModel, IncompatibleModelError, autoregressive_generate, dflash_generate, load_draft,
 )
 from dflash_core.model import rope_frequencies, window_mask
 
@@ -88,7 +90,7 @@ def test_distributed_init_sets_the_rank_gpu_first_and_carries_both_backends(monk
 
 
 def test_block_attention_mask_is_built_on_the_requested_device():
-    from dflash_core.train import block_attention_mask
+    from dflash_core.training.blocks import block_attention_mask
 
     anchors = torch.tensor([2, 5, 9])
     on_meta = block_attention_mask(anchors, 4, 9, device="meta")
@@ -117,7 +119,8 @@ class _HeadCopies(torch.utils._python_dispatch.TorchDispatchMode):
 @pytest.mark.parametrize("autocast", [True, False])
 def test_the_loss_never_copies_the_lm_head(autocast):
     """A bf16 target under an fp32 drafter: the head (V x H) must not be cast or copied per sequence."""
-    from dflash_core.train import TrainConfig, sequence_loss, target_features
+    from dflash_core.training.config import TrainConfig
+    from dflash_core.training.loss import sequence_loss, target_features
 
     target = make_target("llama", vocab=96, hidden=32, dtype=torch.bfloat16)
     draft = make_draft(target, block_size=4, dtype=torch.float32).float().train()
@@ -166,16 +169,6 @@ def test_step_memory_formula_matches_a_cpu_measurement():
     real = step_memory(QWEN3_8B_PRESET)
     assert 60e9 < real["peak"] < 75e9 and real["loss"] == max(v for k, v in real.items() if k != "peak"
                                                               and k != "resident")
-
-
-def test_the_exported_drafter_is_loaded_next_to_the_target_head(tmp_path):
-    from dflash_core.train import shipped_drafter
-
-    target = make_target("qwen3", vocab=64, dtype=torch.float64)
-    make_draft(target, dtype=torch.float32).save_pretrained(tmp_path, dtype=torch.bfloat16)
-    loaded = shipped_drafter(tmp_path, target)
-    param = next(loaded.parameters())
-    assert param.device == target.lm_head.weight.device and param.dtype == torch.float64
 
 
 # ---------------------------------------------------------------------------------------------------- 2. backends
@@ -258,7 +251,7 @@ class _FakeEvent:
 
 
 def test_cuda_events_record_on_the_stream_of_the_models_device(monkeypatch):
-    from ddtree.budget import median_seconds
+    from dflash_core.timing import median_seconds
     from dflash_core.timing import StageTimer
 
     synced = []
@@ -338,7 +331,7 @@ def test_scaled_rope_matches_transformers(kind, params, theta):
 def test_drafter_rotary_equals_a_llama31_targets_rotary():
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from dflash_core.train import DraftSpec, make_draft_config
+    from dflash_core.training.config import DraftSpec, make_draft_config
 
     config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=131072,
@@ -529,9 +522,9 @@ def test_cost_model_times_whole_rounds_at_the_callers_context(monkeypatch, tmp_p
     real_build, real_walk = budget.build_tree, decoding.verify_walk
     real_compact, real_forward = TargetAdapter.compact, TargetAdapter.forward
 
-    def build(logits, n):
+    def build(logits, n, token_map=None):
         seen["build"].append(n)
-        return real_build(logits, n)
+        return real_build(logits, n, token_map=token_map)
 
     def walk(*args, **kwargs):
         seen["walk"] += 1
@@ -580,7 +573,8 @@ def test_auto_measures_at_the_prompt_length(monkeypatch):
 
 
 def test_auto_reads_a_gpu_profile(tmp_path):
-    from ddtree.budget import AutoBudget, CostModel
+    from ddtree.budget import AutoBudget
+    from ddtree.cost import CostModel
 
     curves = [{"nodes": [0, 1, 3], "verify_s": [0.01, 0.011, 0.012], "fixed_s": 0.002, "key": "k", "context": c}
               for c in (512, 4096)]
@@ -673,7 +667,7 @@ class _Payload:
 
 
 def test_training_checkpoints_are_loaded_without_unpickling_code(tmp_path):
-    from dflash_core.train import load_checkpoint
+    from dflash_core.training.loop import load_checkpoint
 
     safe = tmp_path / "ok.pt"
     torch.save({"draft": {"w": torch.ones(2)}, "state": {"step": 3, "history": [{"loss": 1.5}]}}, safe)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -67,13 +68,7 @@ def test_merge_keeps_the_best_nodes_of_the_union_prefix_closed():
     from ddtree import build_tree
     from ddtree.lookup import merge_lookup
 
-    def token_paths(tree):
-        paths = []
-        for i in range(len(tree)):
-            parent = int(tree.parents[i])
-            paths.append((paths[parent] if parent >= 0 else ()) + (int(tree.token_ids[i]),))
-        return paths
-
+    token_paths = _paths
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(4, 6, generator=g) * 2
     full = build_tree(logits, 6 + 36 + 216 + 1296)  # every prefix with its q
@@ -83,7 +78,7 @@ def test_merge_keeps_the_best_nodes_of_the_union_prefix_closed():
     for k, a in enumerate(estimates, start=1):
         union[tuple(continuation[:k])] = max(union.get(tuple(continuation[:k]), 0.0), a)
     for budget in (1, 3, 8, 20):
-        merged, placed = merge_lookup(build_tree(logits, budget), continuation, estimates, budget)
+        merged, placed, _ = merge_lookup(build_tree(logits, budget), continuation, estimates, budget)
         merged.validate()
         paths = token_paths(merged)
         assert len(paths) == len(set(paths)) == budget
@@ -94,21 +89,59 @@ def test_merge_keeps_the_best_nodes_of_the_union_prefix_closed():
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_ddtree_with_lookup_branches_equals_plain_decoding(temperature):
+@pytest.mark.parametrize("budget", [8, "auto"])
+def test_ddtree_with_lookup_branches_equals_plain_decoding(temperature, budget, tmp_path, monkeypatch):
     from conftest import make_draft
     from ddtree import ddtree_generate
+    from ddtree.budget import forget_shared_memory
 
+    monkeypatch.setenv("DDTREE_CACHE", str(tmp_path))  # auto's cost curve: measured once, in this test's cache
+    forget_shared_memory()
     target = make_target("llama", vocab=8, init=0.3)
     draft = make_draft(target, block_size=5)
     from_lookup = 0
     for seed in range(3):
         p = prompt(70 + seed, 12, 8)
         ref = autoregressive_generate(target, p, 40, temperature=temperature, seed=seed, stop_token_ids=[7])
-        got = ddtree_generate(target, draft, p, budget=8, max_new_tokens=40, temperature=temperature, seed=seed,
-                              stop_token_ids=[7], lookup=True)
+        got = ddtree_generate(target, draft, p, budget=budget, max_new_tokens=40, temperature=temperature, seed=seed,
+                              stop_token_ids=[7], lookup=True, check_trees=True)
         assert got.new_token_ids == ref.new_token_ids
         assert len(got.lookup_tokens) == len(got.acceptance_lengths)
         from_lookup += sum(got.lookup_tokens)
     assert from_lookup > 0
     with pytest.raises(ValueError, match="lookup=True"):
-        ddtree_generate(target, draft, prompt(0, 5, 8), budget="auto", lookup=True)
+        ddtree_generate(target, draft, prompt(0, 5, 8), budget="chain-auto", lookup=True)
+
+
+def test_auto_with_lookup_ranks_both_sources_and_learns_from_the_drafters_nodes():
+    """Under auto the merged list is sized by auto's rule; auto's memory learns from its drafter nodes only."""
+    from ddtree.budget import AutoBudget
+    from ddtree.cost import CostModel
+    from ddtree.lookup import LookupTree
+
+    flat = CostModel(nodes=(0, 8, 32), verify_s=(0.01, 0.01, 0.01), fixed_s=0.001)  # verifying is free here
+    policy = LookupTree(AutoBudget(flat, cap=16))
+    logits = torch.full((4, 8), -4.0)
+    logits[:, 3] = 4.0  # the drafter is sure of token 3 at every depth
+    history = [1, 2, 5, 6, 1, 2]  # the suffix (1, 2) occurred before, followed by 5, 6, 1, 2
+    tree = policy.propose(logits, history).validate(best_first=True)
+    paths = {tuple(p) for p in _paths(tree)}
+    assert (3, 3, 3, 3) in paths and (5, 6, 1, 2) in paths  # both sources made it into one tree
+    paths = _paths(tree)
+    path = [paths.index((5,)), paths.index((5, 6))]  # the target accepted two tokens of the continuation
+    policy.observe(2, path)
+    assert policy.lookup_committed == [2]
+    # auto learns from its own nodes only: (5,) may be a drafter node too (merged), (5, 6) is the lookup's alone
+    drafter = policy._drafter_nodes
+    assert path[1] not in drafter
+    (remembered,) = list(policy.auto.memory)
+    assert set(np.flatnonzero(remembered.accepted)) == {drafter[i] for i in path if i in drafter}
+    assert len(remembered.accepted) == len(drafter)
+
+
+def _paths(tree):
+    out = []
+    for i in range(len(tree)):
+        parent = int(tree.parents[i])
+        out.append((out[parent] if parent >= 0 else ()) + (int(tree.token_ids[i]),))
+    return out

@@ -9,9 +9,11 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import make_draft, make_target
+from dflash_core.config import DFlashConfig, build_target_layer_ids
+from dflash_core.model import DraftCache
+from dflash_core.target import TargetAdapter
 from dflash_core import (
-    DFlashConfig, DFlashDraftModel, DraftCache, IncompatibleModelError, TargetAdapter, build_target_layer_ids,
-    check_compatibility, dflash_generate, load_draft,
+    DFlashDraftModel, IncompatibleModelError, check_compatibility, dflash_generate, load_draft,
 )
 
 

@@ -290,3 +290,55 @@ def test_paired_tau_change_between_two_evaluations():
     assert got["mean"] == pytest.approx(((2.5 - 2.0) + 0 + (9 / 8 - 1)) / 3)
     assert got["ci95"][0] <= got["mean"] <= got["ci95"][1]
     assert paired_change(before, after, "32")["mean"] == 0
+
+
+def test_lookup_variants_and_dflash_auto_in_tables_and_figures(tmp_path):
+    """PLD, DDTree+lookup, DFlash (auto) and a user policy: their own rows and labels, a Lookup column, never the
+    oracle, the policies in the policy table, and every figure still drawn."""
+    from plots.tables import policy_table
+
+    def variant(sample, method, budget, policy, decode_s, acceptance, lookup_tokens=None, tree=None):
+        extra = {} if lookup_tokens is None else {"lookup_tokens": lookup_tokens}
+        return SampleRecord(dataset="gsm8k", sample_id=sample, turn=0, method=method, budget=budget, policy=policy,
+                            temperature=0.0, num_input_tokens=40, num_new_tokens=sum(acceptance) + 1, prefill_s=0.01,
+                            decode_s=decode_s, acceptance_lengths=acceptance, stage_times={"verify": decode_s / 2},
+                            matches_ar=True, tree=tree, extra=extra)
+
+    recs = [r for r in hand_records() if r.sample_id == "0"]  # AR 2.0 s / 100 tokens; the oracle: B=32, 0.4 s
+    recs += [variant("0", "pld", None, "lookup", 1.0, [2] * 49 + [1], lookup_tokens=49),
+             variant("0", "ddtree", 32, "lookup", 0.2, [9] * 11, lookup_tokens=33, tree="topk"),
+             variant("0", "dflash", "chain-auto", "chain-auto", 0.5, [3] * 33, tree=None),
+             variant("0", "ddtree", "my-policy", "custom", 0.8, [4] * 25, tree="topk")]
+    stats = compute_stats(recs)
+    by_label = {s.label: s for s in stats}
+    assert {"PLD", "DDTree+lookup (B=32)", "DFlash (auto)", "my-policy"} <= set(by_label)
+    assert by_label["PLD"].lookup_share == pytest.approx(49 / 99)
+    assert by_label["DDTree+lookup (B=32)"].lookup_share == pytest.approx(33 / 99)
+    assert by_label["DDTree (B=32)"].lookup_share is None
+    oracle = oracle_stats(stats, "gsm8k", 0.0)
+    assert oracle.budget == 32 and oracle.policy == "fixed"  # the faster lookup tree is not a fixed budget
+    table = summary_table(recs)
+    header = table.splitlines()[0]
+    assert "Lookup" in header and table_row(table, "GSM8K", "0", "PLD")[7] == "49%"
+    assert table_row(table, "GSM8K", "0", "DDTree (B=32)")[7] == "–"
+    assert table_row(table, "GSM8K", "0", "DFlash (auto)")[3] == "4.00×"
+    assert "prompt lookup" in table and "chosen from the machine's cost curve" in table
+    labels = [c.strip() for line in table.splitlines()[2:] if line.startswith("|") for c in [line.split("|")[3]]]
+    assert labels.index("DFlash") < labels.index("DFlash (auto)")  # the plain chain first
+    assert labels.index("DDTree (B=32)") + 1 == labels.index("DDTree+lookup (B=32)")  # side by side
+    policies = policy_table(recs)
+    assert "| DFlash (auto) |" in policies and "| my-policy |" in policies and "DDTree+lookup" not in policies
+    assert "Lookup" not in summary_table(hand_records()).splitlines()[0]  # no lookup variant: no column
+    run = write_run(tmp_path / "runs" / "lookup", recs, created_at="2024-01-01T00:00:00+00:00")
+    paths = make_report(run, tmp_path / "figures", formats=["png"])
+    names = {p.name for p in paths}
+    assert {"speedup_T0.png", "budget_tradeoff_T0.png", "acceptance_hist_T0.png", "stage_times.md"} <= names
+    assert r"Lookup" in (tmp_path / "figures" / "results_table.tex").read_text()
+    assert "DDTree+lookup (B=32)" in (tmp_path / "figures" / "results_table.md").read_text()
+
+
+def test_plot_colors_live_in_plots():
+    from plots.colors import METHOD_COLORS, VARIANT_COLORS
+    from experiments.schema import METHODS
+
+    assert set(METHOD_COLORS) == set(METHODS) and "chain-auto" in VARIANT_COLORS

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from conftest import make_draft, make_target, prompt
-from ddtree import RecursiveRejection, SampledDraftTree, SampledTree, ddtree_generate, sample_tree
+from ddtree import SampledTree, ddtree_generate
+from ddtree.sampled import RecursiveRejection, SampledDraftTree, sample_tree
 from dflash_core import autoregressive_generate, speculative_generate
 from test_decoding import chi_square_p, exact_joint
 
@@ -42,6 +43,16 @@ class Unclipped(RecursiveRejection):
 
     def acceptance(self, p, q):
         return torch.where(q > 0, p / torch.where(q > 0, q, torch.ones_like(q)), torch.zeros_like(p))
+
+
+class NoRenormalisation(RecursiveRejection):
+    """Broken: after a rejected child the next draw's law is q with that token removed but NOT renormalised, so the
+    later siblings' acceptance ratios p / q are computed against too little proposal mass."""
+
+    def without(self, q, token):
+        rest = q.clone()
+        rest[token] = 0.0
+        return rest
 
 
 class WithReplacement(SampledTree):
@@ -127,6 +138,8 @@ def test_broken_rules_are_visible_in_the_exact_distribution(k):
         "no residual update": committed_distribution(NoResidual(), P_FIXED, Q_FIXED,
                                                      draws_without_replacement(Q_FIXED, k)),
         "p/q unclipped": committed_distribution(Unclipped(), P_FIXED, Q_FIXED, draws_without_replacement(Q_FIXED, k)),
+        "no renormalisation without replacement": committed_distribution(
+            NoRenormalisation(), P_FIXED, Q_FIXED, draws_without_replacement(Q_FIXED, k)),
         "with replacement, verified as without": committed_distribution(rule, P_FIXED, Q_FIXED,
                                                                         draws_with_replacement(Q_FIXED, k)),
     }
@@ -270,15 +283,20 @@ def path_tokens(tree, node: int) -> tuple[int, ...]:
     return tuple(reversed(tokens))
 
 
-def first_tokens(policy, target: SyntheticTarget, draft_logits: torch.Tensor, steps: int, seed: int):
-    """The decode loop in miniature: propose, 'verify forward' (the synthetic target at every node), walk, commit."""
+def first_tokens(policy, target: SyntheticTarget, draft_logits: torch.Tensor, steps: int, seed: int,
+                 temperature: float = 1.0, verify_temperature: float | None = None):
+    """The decode loop in miniature: propose, 'verify forward' (the synthetic target at every node), walk, commit.
+
+    The target's logits are ``temperature * log p``, so sampling at ``temperature`` means sampling from p (the
+    synthetic joint); ``verify_temperature`` (default: ``temperature``) is the temperature the walk is told."""
     generator = torch.Generator().manual_seed(seed)
     out: list[int] = []
+    told = temperature if verify_temperature is None else verify_temperature
     while len(out) < steps:
         tree = policy.propose(draft_logits, out)
         prefixes = [tuple(out)] + [tuple(out) + path_tokens(tree, i) for i in range(len(tree))]
-        logits = torch.stack([target.probs(prefix).log() for prefix in prefixes])  # [n+1, V]
-        path, bonus = tree.verify(logits, 1.0, generator)
+        logits = temperature * torch.stack([target.probs(prefix).log() for prefix in prefixes])  # [n+1, V]
+        path, bonus = tree.verify(logits, told, generator)
         out += [int(tree.token_ids[i]) for i in path] + [bonus]
     return tuple(out[:steps])
 
@@ -288,11 +306,12 @@ DRAFT_LOGITS = torch.tensor([[2.5, 0.5, 0.0, -1.0], [0.0, 2.5, -1.0, 0.5], [-1.0
 N_MODEL_FREE = 2500
 
 
-def model_free_p_value(policy, target_vocab: int = 4, draft_logits=DRAFT_LOGITS, n: int = N_MODEL_FREE) -> float:
+def model_free_p_value(policy, target_vocab: int = 4, draft_logits=DRAFT_LOGITS, n: int = N_MODEL_FREE,
+                       temperature: float = 1.0, verify_temperature: float | None = None) -> float:
     target = SyntheticTarget(target_vocab, seed=5)
     counts: dict[tuple, int] = {}
     for seed in range(n):
-        key = first_tokens(policy, target, draft_logits, 3, seed)
+        key = first_tokens(policy, target, draft_logits, 3, seed, temperature, verify_temperature)
         counts[key] = counts.get(key, 0) + 1
     return chi_square_p(counts, target.joint(3), n)
 
@@ -301,11 +320,22 @@ def test_sampled_tree_joint_equals_plain_sampling_model_free():
     assert model_free_p_value(SampledTree(6, temperature=1.0, seed=1)) > 1e-3
 
 
+@pytest.mark.parametrize("temperature", [0.5, 1.7])
+def test_sampled_tree_is_exact_away_from_temperature_one(temperature):
+    """At T != 1 the tree is drawn from the drafter at T and verified against softmax(logits / T); a rule that drops
+    the division by T (verifies as if T were 1) samples softmax(T log p) instead and is caught."""
+    policy = SampledTree(6, temperature=temperature, seed=1)
+    assert model_free_p_value(policy, temperature=temperature, n=2000) > 1e-3
+    broken = SampledTree(6, temperature=temperature, seed=1)
+    assert model_free_p_value(broken, temperature=temperature, verify_temperature=1.0, n=2000) < 1e-6
+
+
 @pytest.mark.parametrize("policy", [
     SampledTree(6, temperature=1.0, seed=1, rule=NoResidual()),
     SampledTree(6, temperature=1.0, seed=1, rule=Unclipped()),
+    SampledTree(6, temperature=1.0, seed=1, rule=NoRenormalisation()),
     WithReplacement(6, temperature=1.0, seed=1),
-], ids=["no-residual", "unclipped", "with-replacement"])
+], ids=["no-residual", "unclipped", "no-renormalisation", "with-replacement"])
 def test_broken_rules_are_detected_model_free(policy):
     assert model_free_p_value(policy) < 1e-6
 
@@ -430,7 +460,7 @@ def test_sampling_preset():
 
     preset = get_preset("sampling")
     assert preset.problems() == [] and preset.temperatures == (1.0,) and preset.budgets == (16, 32, "auto")
-    assert preset.trees == ("topk", "sampled") and len(preset.datasets) == 6 and preset.methods[0] == "ar"
+    assert preset.trees == ("topk", "sampled") and len(preset.datasets) == 7 and preset.methods[0] == "ar"
     with pytest.raises(ValueError, match="trees"):
         with_overrides(preset, trees=("bushy",))
     with pytest.raises(ValueError, match="int budget"):

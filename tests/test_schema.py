@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from experiments.schema import (
-    METHOD_COLORS,
     METHOD_LABELS,
     METHODS,
     Manifest,
@@ -22,6 +21,7 @@ from experiments.schema import (
     record_key,
     write_json_atomic,
 )
+from plots.colors import METHOD_COLORS
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -170,9 +170,50 @@ def test_labels_and_colors_cover_every_method():
     assert method_label("ddtree", "fixed", 64) == "DDTree (B=64)"
     assert method_label("ddtree", "auto", "auto") == "DDTree (auto)"
     assert method_label("dflash", "chain", None) == "DFlash"
+    assert method_label("dflash", "chain-auto", "chain-auto") == "DFlash (auto)"
+    assert method_label("pld", "lookup", None) == "PLD"
+    assert method_label("ddtree", "lookup", 16, "topk") == "DDTree+lookup (B=16)"
+    assert method_label("ddtree", "custom", "my-policy", "topk") == "my-policy"
+
+
+def test_colors_live_in_plots_not_in_the_schema():
+    import experiments.schema as schema
+
+    assert not hasattr(schema, "METHOD_COLORS") and not hasattr(schema, "VARIANT_COLORS")
+
+
+def test_lookup_trees_have_their_own_resume_key_and_share():
+    from experiments.schema import lookup_share
+
+    plain = make_record(budget=16, policy="fixed")
+    lookup = make_record(budget=16, policy="lookup", acceptance_lengths=[3, 1, 4], extra={"lookup_tokens": 2})
+    assert plain.record_key() == ("gsm8k", "17", 0, "ddtree", 16, 0.0)
+    assert lookup.record_key() == plain.record_key() + ("lookup",)
+    assert record_key("gsm8k", "17", 0, "ddtree", 16, 0.0, "topk", "lookup") == lookup.record_key()
+    assert SampleRecord.from_json(lookup.to_json()) == lookup
+    assert lookup_share([plain, lookup]) == pytest.approx(2 / 8)  # records without the key do not count
+    assert lookup_share([plain]) is None
+
+
+def test_chain_auto_is_dflash_and_old_records_are_read_as_such():
+    old = json.loads(make_record(method="ddtree", budget="chain-auto", policy="chain-auto", tree="topk").to_json())
+    back = SampleRecord.from_dict(old)  # written when chain-auto was filed under DDTree
+    assert (back.method, back.budget, back.policy, back.tree) == ("dflash", "chain-auto", "chain-auto", None)
+    assert back.record_key() == ("gsm8k", "17", 0, "dflash", "chain-auto", 0.0)
+    assert method_label(back.method, back.policy, back.budget, back.tree) == "DFlash (auto)"
 
 
 def test_schema_imports_neither_torch_nor_numpy():
     code = "import sys, experiments.schema; print('torch' in sys.modules, 'numpy' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def test_the_torch_free_schema_names_the_library_s_tree_kinds_and_budget_words():
+    """``experiments.schema`` must stay importable without torch (plots read it), so it spells the tree kinds out;
+    this keeps that copy equal to the library's."""
+    from ddtree.generate import BUDGET_WORDS, TREE_KINDS
+    from experiments.presets import BUDGET_POLICIES
+    from experiments.schema import TREE_KINDS as SCHEMA_TREE_KINDS
+
+    assert SCHEMA_TREE_KINDS == TREE_KINDS and set(BUDGET_POLICIES) < set(BUDGET_WORDS)

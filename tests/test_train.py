@@ -10,10 +10,10 @@ import torch
 
 from conftest import make_draft, make_target
 from dflash_core import autoregressive_generate, dflash_generate, load_draft
-from dflash_core.train import (
-    TrainConfig, block_attention_mask, block_inputs, draft_loss, position_weights, sample_anchors, sequence_loss,
-    target_features, train,
-)
+from dflash_core.training.blocks import block_attention_mask, block_inputs, position_weights, sample_anchors
+from dflash_core.training.config import TrainConfig
+from dflash_core.training.loop import train
+from dflash_core.training.loss import draft_loss, sequence_loss, target_features
 
 
 # ---------------------------------------------------------------------------------------------------- blocks
@@ -216,3 +216,32 @@ def test_no_training_prompt_is_benchmark_eligible():
         pytest.skip("no offline benchmark package is installed")
     sources = {p.source for p in prompts}
     assert {"stdlib", "code-tasks", "math-templates", "chat"} <= sources
+
+
+def test_fit_presets_set_defaults_that_explicit_options_override():
+    from dflash_core.training.fit import parse_args
+
+    base = ["--data", "d", "--out", "o"]
+    assert parse_args(base).layers == 2 and parse_args(base).max_len == 768
+    qwen3 = parse_args(base + ["--preset", "qwen3"])
+    assert (qwen3.layers, qwen3.anchors, qwen3.max_len, qwen3.loss_vocab) == (5, 512, 3072, "full")
+    assert parse_args(base + ["--preset", "qwen3", "--layers", "3"]).layers == 3
+
+
+def test_the_generation_kv_buffer_is_sized_once_for_the_longest_sequence():
+    """GrowingCache(capacity): one allocation of exactly prompt + max_new_tokens positions, no doubling; without a
+    capacity (or past it) it still grows, and either way it returns what DynamicCache returns."""
+    from transformers import DynamicCache
+
+    from dflash_core.training.generate import GrowingCache
+
+    g = torch.Generator().manual_seed(0)
+    steps = [torch.randn(2, 2, n, 4, generator=g) for n in (5, 1, 1, 1)]  # a prefill of 5, then 3 tokens
+    for capacity in (8, None, 6):
+        sized, plain = GrowingCache(capacity=capacity), DynamicCache()
+        for x in steps:
+            k, v = sized.update(x, -x, 0)
+            k_ref, v_ref = plain.update(x, -x, 0)
+            assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+        allocated = sized.layers[0]._k.shape[-2]
+        assert allocated == {8: 8, None: 64, 6: 64}[capacity]  # 6 < 8 needed: grows (at least 64) past it

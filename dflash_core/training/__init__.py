@@ -1,8 +1,7 @@
 """The drafter's training recipe, one idea per module.
 
-* :mod:`.config`   -- what a run is: the drafter's shape (``DraftSpec``), ``TrainConfig``, ``DataConfig``, ``PRESETS``;
+* :mod:`.config`   -- what a run is: the drafter's shape (``DraftSpec``) and ``TrainConfig``;
 * :mod:`.prompts`  -- the training prompts (``build_prompts``), all offline and never benchmark-eligible;
-* :mod:`.respond`  -- the first recipe's responses: the target answers with HF ``generate`` into ``samples.jsonl``;
 * :mod:`.generate` -- the target writes its own training responses in a batched, KV-cached loop that captures the
   tapped hidden states and the target's top-k next-token distributions from the very forwards that produce the tokens;
 * :mod:`.shards`   -- the data those runs accumulate: committed-able token shards (response ids and prompt references
@@ -14,8 +13,8 @@
 * :mod:`.loop`     -- the training loop: schedule, checkpoints, DDP, logging, export;
 * :mod:`.evaluate` -- the acceptance length tau with real greedy decoding;
 * :mod:`.memory`   -- the memory of one training step: the formula and a CPU measurement that checks it;
-* :mod:`.fit`      -- ``python -m dflash_core.training.fit``: train on accumulated shards;
-* :mod:`.cli`      -- ``python -m dflash_core.train``: the first recipe end to end (data, train, export).
-
-``dflash_core.train``, ``dflash_core.train_data`` and ``dflash_core.train_memory`` re-export the old import paths.
+* :mod:`.fit`      -- ``python -m dflash_core.training.fit``: train on accumulated shards (``--preset qwen3``: the
+  published hyper-parameters for GPUs);
+* :mod:`.recipe`   -- ``python -m dflash_core.training.recipe``: datagen then fit, resumable;
+* :mod:`.stream`   -- the teacher-forced training stream (``python -m experiments.drafter_stream``).
 """

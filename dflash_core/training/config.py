@@ -1,13 +1,12 @@
-"""What a training run is: the drafter's shape, the recipe's hyper-parameters, the data settings and the presets."""
+"""What a training run is: the drafter's shape and the recipe's hyper-parameters (presets: ``fit.FIT_PRESETS``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ..config import DFlashConfig, build_target_layer_ids, target_rope
-from .respond import GenerationConfig
 
-__all__ = ["DraftSpec", "TrainConfig", "DataConfig", "PRESETS", "make_draft_config"]
+__all__ = ["DraftSpec", "TrainConfig", "make_draft_config"]
 
 
 @dataclass(frozen=True)
@@ -46,30 +45,6 @@ class TrainConfig:
     eval_new_tokens: int = 64
     ckpt_every: int = 100
     seed: int = 0
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    generation: GenerationConfig = GenerationConfig()
-    n_math_templates: int = 900
-    n_chat: int = 1400
-    holdout: int = 6  # samples kept out of training for the tau evaluation
-
-
-PRESETS: dict[str, dict] = {
-    # The shipped SmolLM2-135M drafter: sized for a 2-core CPU and a 100-minute budget (see the zoo MODEL_CARD.md).
-    "smollm2": dict(
-        target="smollm2", layers=2, taps=5, block_size=16, mask_token_id=16, gamma=7.0, lr=6e-4, warmup_frac=0.04,
-        anchors=48, seqs_per_step=8, max_len=768, loss_vocab="batch", distill_weight=0.5, distill_topk=8,
-        gen_minutes=35.0, train_minutes=38.0, bench_prompts=8, gen_batch=32, data_workers=2, max_new_tokens=256, eval_every=300,
-    ),
-    # Published DFlash hyper-parameters for Qwen3-class targets (GPU, DDP under torchrun).
-    "qwen3": dict(
-        layers=5, taps=5, block_size=16, gamma=7.0, lr=6e-4, warmup_frac=0.04, epochs=6.0, max_len=3072,
-        anchors=512, seqs_per_step=32, loss_vocab="full", distill_weight=0.5, distill_topk=8, cache_features=False,
-        gen_batch=64, max_new_tokens=2048, eval_every=1000, gen_minutes=None, train_minutes=None,
-    ),
-}
 
 
 def make_draft_config(target_config, spec: DraftSpec) -> DFlashConfig:

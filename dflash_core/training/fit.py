@@ -24,7 +24,7 @@ from ..model import DFlashDraftModel, load_draft
 from .config import DraftSpec, TrainConfig, make_draft_config
 from .corpus import build_draft_vocab, load_corpus, vocab_coverage
 from .evaluate import replay_evaluator, tau_evaluator
-from .loop import export_drafter, setup_logging, train
+from .loop import export_drafter, init_distributed, load_checkpoint, setup_logging, train
 
 __all__ = ["TrainingData", "load_training_data", "main"]
 
@@ -81,8 +81,19 @@ def load_training_data(folders, tokenizer, seed: int = 0, eval_prompts: int = 6,
     return data
 
 
-def main(argv=None) -> None:
+# Hyper-parameter sets (fit's argument defaults): the shipped drafter's, and the published DFlash recipe for
+# Qwen3-class targets on GPUs (DDP under torchrun: 5 layers, 512 anchors of 16 per sequence, 3,072-token sequences).
+FIT_PRESETS: dict[str, dict] = {
+    "smollm2": {},
+    "qwen3": dict(layers=5, taps=5, block_size=16, gamma=7.0, lr=6e-4, warmup_frac=0.04, anchors=512,
+                  seqs_per_step=32, max_len=3072, distill_weight=0.5, loss_vocab="full", eval_every=1000),
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dflash_core.training.fit", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=sorted(FIT_PRESETS), default="smollm2",
+                   help="hyper-parameter defaults (explicit options override them)")
     p.add_argument("--data", required=True, action="append", help="shard folder (repeatable)")
     p.add_argument("--out", required=True)
     p.add_argument("--target", default="smollm2", help="'smollm2' (embedded) or the Hugging Face id / folder the "
@@ -111,23 +122,13 @@ def main(argv=None) -> None:
                    help="tau during training: replayed from greedy continuations (fast) or the live decode loop")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    out = Path(a.out)
-    rank = int(os.environ.get("RANK", "0"))  # under torchrun every rank trains; rank 0 logs and writes
-    logger = setup_logging(out, rank)
-    log = logger.info
-    log(f"options: {json.dumps(vars(a), sort_keys=True)}")
-    from .loop import init_distributed, load_checkpoint
-    from .targets import load_training_target
+    preset = p.parse_known_args(argv)[0].preset
+    p.set_defaults(**FIT_PRESETS[preset])
+    return p.parse_args(argv)
 
-    t0 = time.perf_counter()
-    device, distributed = init_distributed(None if a.device == "auto" else a.device)
-    target, tokenizer, stops = load_training_target(a.target, torch.bfloat16, device)
-    data = load_training_data(a.data, tokenizer, a.seed, a.eval_prompts, log)
-    eval_prompts, n_tokens = data.eval_prompts, data.response_tokens
 
+def build_drafter(a: argparse.Namespace, target, data, stops, out: Path, log):
+    """The drafter to train (random, or from --init) with its draft vocabulary; returns (drafter, coverage)."""
     spec = DraftSpec(layers=a.layers, taps=a.taps, block_size=a.block_size, mask_token_id=a.mask_token_id)
     torch.manual_seed(a.seed)
     if a.init:
@@ -151,6 +152,27 @@ def main(argv=None) -> None:
         log(f"draft vocabulary: {len(vocab)} ids, held-out token coverage {coverage:.4f}")
     log(f"drafter: {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M parameters, "
         f"taps {list(draft.config.target_layer_ids)}")
+    return draft, coverage
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    out = Path(a.out)
+    rank = int(os.environ.get("RANK", "0"))  # under torchrun every rank trains; rank 0 logs and writes
+    logger = setup_logging(out, rank)
+    log = logger.info
+    log(f"options: {json.dumps(vars(a), sort_keys=True)}")
+    from .targets import load_training_target
+
+    t0 = time.perf_counter()
+    device, distributed = init_distributed(None if a.device == "auto" else a.device)
+    target, tokenizer, stops = load_training_target(a.target, torch.bfloat16, device)
+    data = load_training_data(a.data, tokenizer, a.seed, a.eval_prompts, log)
+    eval_prompts, n_tokens = data.eval_prompts, data.response_tokens
+
+    draft, coverage = build_drafter(a, target, data, stops, out, log)
     loss_vocab = a.loss_vocab or ("draft" if a.draft_vocab else "batch")
     cfg = TrainConfig(gamma=a.gamma, anchors=a.anchors, seqs_per_step=a.seqs_per_step, lr=a.lr,
                       warmup_frac=a.warmup_frac, steps=a.steps, max_len=a.max_len, distill_weight=a.distill_weight,

@@ -35,11 +35,17 @@ def _growing_layer_class():
     from transformers.cache_utils import DynamicLayer
 
     class GrowingLayer(DynamicLayer):
-        """A KV layer in a preallocated buffer that doubles when full: appending a token writes in place.
+        """A KV layer in a preallocated buffer: appending a token writes in place.
 
         transformers' DynamicLayer concatenates the whole cache at every step (a copy of everything, per layer, per
-        token); at batch 64 and a few hundred tokens that copy costs as much as the model's matmuls.
+        token); at batch 64 and a few hundred tokens that copy costs as much as the model's matmuls. With
+        ``capacity`` (the longest sequence the caller will write: prompt + max_new_tokens) the buffer is allocated
+        once at exactly that size; without it, or past it, it doubles when full.
         """
+
+        def __init__(self, capacity: int | None = None):
+            super().__init__()
+            self.capacity = capacity
 
         def lazy_initialization(self, key_states, value_states, *args, **kwargs):
             self.device = key_states.device
@@ -55,7 +61,10 @@ def _growing_layer_class():
             n = key_states.shape[-2]
             need = self._len + n
             if self._k is None or need > self._k.shape[-2]:
-                cap = max(need, 2 * (self._k.shape[-2] if self._k is not None else 0), 64)
+                if self._k is None and self.capacity is not None and need <= self.capacity:
+                    cap = self.capacity  # sized for the whole generation: never grows, never doubles
+                else:
+                    cap = max(need, 2 * (self._k.shape[-2] if self._k is not None else 0), 64)
                 shape = (*key_states.shape[:-2], cap, key_states.shape[-1])
                 k = key_states.new_empty(shape)
                 v = value_states.new_empty(shape)
@@ -80,14 +89,17 @@ def _growing_layer_class():
     return GrowingLayer
 
 
-def GrowingCache():
-    """A DynamicCache whose layers append in place (see ``GrowingLayer``); supports ``batch_select_indices``."""
+def GrowingCache(capacity: int | None = None):
+    """A DynamicCache whose layers append in place (see ``GrowingLayer``; ``capacity``: positions to allocate per
+    layer up front); supports ``batch_select_indices``."""
+    from functools import partial
+
     from transformers import DynamicCache
 
     cache = DynamicCache()
-    cls = _growing_layer_class()
-    cache.layer_class_to_replicate = cls
-    cache.layers = [cls() for _ in cache.layers]
+    make = partial(_growing_layer_class(), capacity)
+    cache.layer_class_to_replicate = make
+    cache.layers = [make() for _ in cache.layers]
     return cache
 
 
@@ -169,6 +181,128 @@ def _taps(hidden_states, layer_ids: Sequence[int]) -> torch.Tensor:
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
+def _left_padded(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, W] token ids and attention mask of the prompts, left-padded so that every row's last prompt token sits in
+    the last column."""
+    b = len(prompts)
+    lens = torch.tensor([len(p) for p in prompts])
+    width = int(lens.max())
+    ids = torch.full((b, width), pad_id, dtype=torch.long)
+    attn = torch.zeros((b, width), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
+        attn[r, width - len(p):] = 1
+    return ids, attn
+
+
+def _prefill(target, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, cache,
+             layer_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward over the padded prompts into ``cache``: their tapped features [B, W, F] and the distribution of
+    each row's first response token [B, V]."""
+    out = target(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True,
+                 output_hidden_states=True, logits_to_keep=1)
+    return _taps(out.hidden_states, layer_ids), out.logits[:, -1].float()
+
+
+@dataclass
+class _ResponseBuffers:
+    """Per-row response buffers, written in place as rows advance (rows are the batch's original rows)."""
+
+    feats: torch.Tensor  # [B, N, F] tapped hidden states of every fed-back response token
+    top_ids: torch.Tensor  # [B, N + 1, max(k, 1)] top-k ids of the distribution each response token is drawn from
+    top_logp: torch.Tensor  # [B, N + 1, max(k, 1)] their log-probabilities
+    tokens: torch.Tensor  # [B, N] response tokens
+    n_tokens: torch.Tensor  # [B] (CPU) response length of every row
+
+    @classmethod
+    def allocate(cls, b: int, max_new_tokens: int, n_feat: int, feat_dtype: torch.dtype, topk: int,
+                 device) -> "_ResponseBuffers":
+        """Zeroed buffers for ``b`` rows of up to ``max_new_tokens`` tokens."""
+        return cls(torch.zeros((b, max_new_tokens, n_feat), dtype=feat_dtype, device=device),
+                   torch.zeros((b, max_new_tokens + 1, max(topk, 1)), dtype=torch.long, device=device),
+                   torch.zeros((b, max_new_tokens + 1, max(topk, 1)), dtype=torch.float32, device=device),
+                   torch.zeros((b, max_new_tokens), dtype=torch.long, device=device),
+                   torch.zeros(b, dtype=torch.long))
+
+
+@dataclass
+class _Decoding:
+    """How a batch decodes: tapped layers, stop tokens, length limit, sampling, kept top-k and batch shrinking."""
+
+    layer_ids: Sequence[int]
+    stops: torch.Tensor  # [S] stop token ids on the target's device
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    topk: int
+    generator: torch.Generator | None
+    shrink_fraction: float
+
+
+def _sample_step(logits: torch.Tensor, rows: torch.Tensor, done: torch.Tensor, step: int, bufs: _ResponseBuffers,
+                 how: _Decoding) -> torch.Tensor:
+    """Keep the top-k of the active rows' distributions, sample response token ``step`` from them and mark the rows
+    that hit a stop token or the length limit as done. Returns the sampled tokens [B_act]."""
+    if how.topk > 0:  # distribution at position P + step - 1 predicts response token `step`
+        top_logp, top_ids = torch.log_softmax(logits, dim=-1).topk(how.topk, dim=-1)
+        bufs.top_ids[rows, step] = top_ids
+        bufs.top_logp[rows, step] = top_logp
+    nxt = sample_next(logits, how.temperature, how.top_p, how.generator)  # [B_act]
+    bufs.tokens[rows, step] = nxt
+    running = ~done[rows]  # rows that finished earlier but are still in the batch only burn compute
+    bufs.n_tokens[rows[running].cpu()] = step + 1
+    done[rows[running & (torch.isin(nxt, how.stops) | (step + 1 >= how.max_new_tokens))]] = True
+    return nxt
+
+
+def _decode(target, cache, logits: torch.Tensor, attn: torch.Tensor, next_pos: torch.Tensor, bufs: _ResponseBuffers,
+            how: _Decoding) -> None:
+    """Decode from the prefill's ``logits`` [B, V] until every row is done, writing into ``bufs``. Finished rows leave
+    the batch (and the KV cache) once at least ``how.shrink_fraction`` of the active rows have finished."""
+    device = target.lm_head.weight.device
+    rows = torch.arange(len(logits), device=device)  # active row -> original row
+    done = torch.zeros(len(logits), dtype=torch.bool, device=device)  # per original row
+    step = 0
+    while True:
+        nxt = _sample_step(logits, rows, done, step, bufs, how)
+        alive = ~done[rows]
+        n_alive = int(alive.sum())
+        if n_alive == 0:
+            break
+        if (len(rows) - n_alive) >= max(1.0, how.shrink_fraction * len(rows)):
+            keep = alive.nonzero()[:, 0]
+            cache.batch_select_indices(keep)
+            rows, nxt, attn, next_pos = rows[keep], nxt[keep], attn[keep], next_pos[keep]
+        attn = torch.cat([attn, torch.ones((len(rows), 1), dtype=attn.dtype, device=device)], dim=1)
+        out = target(input_ids=nxt[:, None], attention_mask=attn, position_ids=next_pos[:, None],
+                     past_key_values=cache, use_cache=True, output_hidden_states=True)
+        bufs.feats[rows, step] = _taps(out.hidden_states, how.layer_ids)[:, 0]
+        logits = out.logits[:, -1].float()
+        next_pos = next_pos + 1
+        step += 1
+
+
+def _kept_sequence(r: int, prompt: Sequence[int], prompt_feats: torch.Tensor, bufs: _ResponseBuffers,
+                   topk: int) -> GeneratedSequence:
+    """Row ``r`` of the batch as a :class:`GeneratedSequence` on the CPU: its prompt and response, features over all
+    T positions (the last left zero) and top-k distributions (position P-1+j predicts response token j)."""
+    width, n_feat = prompt_feats.shape[1], prompt_feats.shape[-1]
+    n = int(bufs.n_tokens[r])
+    resp = bufs.tokens[r, :n].tolist()
+    P = len(prompt)
+    T = P + n
+    feats = torch.zeros((T, n_feat), dtype=prompt_feats.dtype)
+    feats[:P] = prompt_feats[r, width - P:].cpu()
+    feats[P:T - 1] = bufs.feats[r, :n - 1].cpu()
+    top_ids = top_logp = None
+    if topk > 0:
+        top_ids = torch.zeros((T, topk), dtype=torch.long)
+        top_logp = torch.zeros((T, topk), dtype=torch.float32)
+        top_ids[P - 1:T - 1] = bufs.top_ids[r, :n].cpu()
+        top_logp[P - 1:T - 1] = bufs.top_logp[r, :n].cpu()
+    return GeneratedSequence(list(prompt), resp, feats, top_ids, top_logp)
+
+
 @torch.inference_mode()
 def generate_batch(
     target,
@@ -191,77 +325,17 @@ def generate_batch(
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate_batch needs at least one prompt and no empty prompt")
     device = target.lm_head.weight.device
-    b = len(prompts)
-    lens = torch.tensor([len(p) for p in prompts])
-    width = int(lens.max())
-    ids = torch.full((b, width), pad_id, dtype=torch.long)
-    attn = torch.zeros((b, width), dtype=torch.long)
-    for r, p in enumerate(prompts):  # left padding: every row's last prompt token sits in the last column
-        ids[r, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
-        attn[r, width - len(p):] = 1
+    ids, attn = _left_padded(prompts, pad_id)
     ids, attn = ids.to(device), attn.to(device)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    cache = GrowingCache()
-    out = target(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True,
-                 output_hidden_states=True, logits_to_keep=1)
-    prompt_feats = _taps(out.hidden_states, layer_ids)  # [B, W, F]
-    n_feat = prompt_feats.shape[-1]
-    feat_dtype = prompt_feats.dtype
-    # per-row response buffers, written in place as rows advance
-    resp_feats = torch.zeros((b, max_new_tokens, n_feat), dtype=feat_dtype, device=device)
-    resp_top_ids = torch.zeros((b, max_new_tokens + 1, max(topk, 1)), dtype=torch.long, device=device)
-    resp_top_logp = torch.zeros((b, max_new_tokens + 1, max(topk, 1)), dtype=torch.float32, device=device)
-    tokens = torch.zeros((b, max_new_tokens), dtype=torch.long, device=device)
-    n_tokens = torch.zeros(b, dtype=torch.long)
+    cache = GrowingCache(capacity=ids.shape[1] + max_new_tokens)  # the longest row: padded prompt + the answer
+    prompt_feats, logits = _prefill(target, ids, attn, pos, cache, layer_ids)
+    bufs = _ResponseBuffers.allocate(len(prompts), max_new_tokens, prompt_feats.shape[-1], prompt_feats.dtype, topk,
+                                     device)
     stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
-
-    rows = torch.arange(b, device=device)  # active row -> original row
-    done = torch.zeros(b, dtype=torch.bool, device=device)  # per original row
-    logits = out.logits[:, -1].float()  # [B, V] distribution of each row's first response token
-    next_pos = pos[:, -1] + 1
-    step = 0
-    while True:
-        if topk > 0:  # distribution at position P + step - 1 predicts response token `step`
-            top_logp, top_ids = torch.log_softmax(logits, dim=-1).topk(topk, dim=-1)
-            resp_top_ids[rows, step] = top_ids
-            resp_top_logp[rows, step] = top_logp
-        nxt = sample_next(logits, temperature, top_p, generator)  # [B_act]
-        tokens[rows, step] = nxt
-        running = ~done[rows]  # rows that finished earlier but are still in the batch only burn compute
-        n_tokens[rows[running].cpu()] = step + 1
-        done[rows[running & (torch.isin(nxt, stops) | (step + 1 >= max_new_tokens))]] = True
-        alive = ~done[rows]
-        n_alive = int(alive.sum())
-        if n_alive == 0:
-            break
-        if (len(rows) - n_alive) >= max(1.0, shrink_fraction * len(rows)):
-            keep = alive.nonzero()[:, 0]
-            cache.batch_select_indices(keep)
-            rows, nxt, attn, next_pos = rows[keep], nxt[keep], attn[keep], next_pos[keep]
-        attn = torch.cat([attn, torch.ones((len(rows), 1), dtype=attn.dtype, device=device)], dim=1)
-        out = target(input_ids=nxt[:, None], attention_mask=attn, position_ids=next_pos[:, None],
-                     past_key_values=cache, use_cache=True, output_hidden_states=True)
-        resp_feats[rows, step] = _taps(out.hidden_states, layer_ids)[:, 0]
-        logits = out.logits[:, -1].float()
-        next_pos = next_pos + 1
-        step += 1
-    results = []
-    for r, p in enumerate(prompts):
-        n = int(n_tokens[r])
-        resp = tokens[r, :n].tolist()
-        P = len(p)
-        T = P + n
-        feats = torch.zeros((T, n_feat), dtype=feat_dtype)
-        feats[:P] = prompt_feats[r, width - P:].cpu()
-        feats[P:T - 1] = resp_feats[r, :n - 1].cpu()
-        top_ids = top_logp = None
-        if topk > 0:
-            top_ids = torch.zeros((T, topk), dtype=torch.long)
-            top_logp = torch.zeros((T, topk), dtype=torch.float32)
-            top_ids[P - 1:T - 1] = resp_top_ids[r, :n].cpu()  # position P-1+j predicts response token j
-            top_logp[P - 1:T - 1] = resp_top_logp[r, :n].cpu()
-        results.append(GeneratedSequence(list(p), resp, feats, top_ids, top_logp))
-    return results
+    how = _Decoding(layer_ids, stops, max_new_tokens, temperature, top_p, topk, generator, shrink_fraction)
+    _decode(target, cache, logits, attn, pos[:, -1] + 1, bufs, how)
+    return [_kept_sequence(r, p, prompt_feats, bufs, topk) for r, p in enumerate(prompts)]
 
 
 @torch.inference_mode()

@@ -121,6 +121,71 @@ def batch_weight(ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask
     return float((position_weights(block_size, gamma).expand_as(labels) * (labels >= 0)).sum())
 
 
+class _Epochs:
+    """The training sequences with their deterministic schedule: which sequences each step trains on, their anchors
+    (resampled every epoch, identical on every rank layout) and their target features (kept, cached or computed)."""
+
+    def __init__(self, target, sequences, cfg: TrainConfig, layer_ids, feature_source) -> None:
+        keep = [i for i, (ids, p) in enumerate(sequences) if min(len(ids), cfg.max_len) - p >= 2]
+        if feature_source is not None and len(keep) < len(sequences):
+            source = feature_source
+            feature_source = lambda i: source(keep[i])  # noqa: E731  indices follow the kept sequences
+        self.sequences = [(sequences[i][0][: cfg.max_len], sequences[i][1]) for i in keep]
+        self.target, self.cfg, self.layer_ids, self.feature_source = target, cfg, layer_ids, feature_source
+        self.steps_per_epoch = max(1, len(self.sequences) // cfg.seqs_per_step)
+        self.cache: dict[int, SequenceFeatures] = {}
+
+    def features(self, i: int) -> SequenceFeatures:
+        if self.feature_source is not None:
+            f = self.feature_source(i)
+            if f is not None:
+                return f
+        if i in self.cache:
+            return self.cache[i]
+        cfg = self.cfg
+        f = target_features(self.target, self.sequences[i][0], self.layer_ids,
+                            cfg.distill_topk if cfg.distill_weight > 0 else 0)
+        if cfg.cache_features:
+            self.cache[i] = f
+        return f
+
+    def batch_indices(self, step: int) -> list[int]:
+        epoch, offset = divmod(step, self.steps_per_epoch)
+        seed = self.cfg.seed * 7919 + epoch
+        order = torch.randperm(len(self.sequences), generator=torch.Generator().manual_seed(seed)).tolist()
+        return order[offset * self.cfg.seqs_per_step:(offset + 1) * self.cfg.seqs_per_step]
+
+    def anchors_for(self, i: int, step: int) -> torch.Tensor:
+        epoch = step // self.steps_per_epoch
+        g = torch.Generator().manual_seed((self.cfg.seed * 1_000_003 + epoch) * 1_000_033 + i)
+        ids, p = self.sequences[i]
+        return sample_anchors(p, len(ids), self.cfg.anchors, g)
+
+
+def _resume(ckpt: Path | None, draft, optimizer, device, log) -> TrainState:
+    """The run's state: from ``checkpoint.pt`` when there is one (weights and optimizer restored), else fresh."""
+    if ckpt is None or not ckpt.is_file():
+        return TrainState()
+    blob = load_checkpoint(ckpt, device)
+    draft.load_state_dict(blob["draft"])
+    optimizer.load_state_dict(blob["optimizer"])
+    state = TrainState(**blob["state"])
+    log(f"train: resumed from {ckpt} at step {state.step}")
+    return state
+
+
+def _evaluate(draft, evaluate, state: TrainState, record: dict, out: Path | None, log) -> None:
+    """Evaluate the drafter, add the result to the step's record, keep the best drafter by tau in ``out/best``."""
+    draft.eval()
+    ev = evaluate(draft)
+    draft.train()
+    record.update(ev)
+    log(f"train: eval at step {state.step}: {ev}")
+    if out is not None and ev.get("tau", -1) > state.best_tau:
+        state.best_tau = ev["tau"]
+        draft.save_pretrained(out / "best", dtype=torch.bfloat16)
+
+
 def train(target, draft: DFlashDraftModel, sequences: list[tuple[torch.Tensor, int]], cfg: TrainConfig,
           out: Path | None = None, log: Callable[[str], None] = print,
           evaluate: Callable[[DFlashDraftModel], dict] | None = None, stop_after: int | None = None,
@@ -142,81 +207,41 @@ def train(target, draft: DFlashDraftModel, sequences: list[tuple[torch.Tensor, i
     for p in target.parameters():
         p.requires_grad_(False)
     embed, head_weight = target.model.embed_tokens, target.lm_head.weight
-    layer_ids = draft.config.target_layer_ids
     model = draft
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(draft, device_ids=[dev.index] if dev.type == "cuda" else None)
     optimizer = make_optimizer(draft, cfg)
-    state = TrainState()
-    ckpt = out / "checkpoint.pt" if out is not None else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-    if ckpt is not None and ckpt.is_file():
-        blob = load_checkpoint(ckpt, dev)
-        draft.load_state_dict(blob["draft"])
-        optimizer.load_state_dict(blob["optimizer"])
-        state = TrainState(**blob["state"])
-        log(f"train: resumed from {ckpt} at step {state.step}")
-    keep = [i for i, (ids, p) in enumerate(sequences) if min(len(ids), cfg.max_len) - p >= 2]
-    if feature_source is not None and len(keep) < len(sequences):
-        source = feature_source
-        feature_source = lambda i: source(keep[i])  # noqa: E731  indices follow the kept sequences
-    sequences = [(sequences[i][0][: cfg.max_len], sequences[i][1]) for i in keep]
-    n_seq = len(sequences)
-    steps_per_epoch = max(1, n_seq // cfg.seqs_per_step)
+    ckpt = out / "checkpoint.pt" if out is not None else None
+    state = _resume(ckpt, draft, optimizer, dev, log)
+    data = _Epochs(target, sequences, cfg, draft.config.target_layer_ids, feature_source)
     if cfg.time_budget_s is None:
-        state.total_steps = cfg.steps or max(1, int(cfg.epochs * steps_per_epoch))
-    cache: dict[int, SequenceFeatures] = {}
-
-    def features(i: int) -> SequenceFeatures:
-        if feature_source is not None:
-            f = feature_source(i)
-            if f is not None:
-                return f
-        if i in cache:
-            return cache[i]
-        f = target_features(target, sequences[i][0], layer_ids, cfg.distill_topk if cfg.distill_weight > 0 else 0)
-        if cfg.cache_features:
-            cache[i] = f
-        return f
-
-    def batch_indices(step: int) -> list[int]:
-        epoch, offset = divmod(step, steps_per_epoch)
-        order = torch.randperm(n_seq, generator=torch.Generator().manual_seed(cfg.seed * 7919 + epoch)).tolist()
-        return order[offset * cfg.seqs_per_step:(offset + 1) * cfg.seqs_per_step]
-
-    def anchors_for(i: int, step: int) -> torch.Tensor:
-        epoch = step // steps_per_epoch  # anchors are resampled every epoch, identically on every rank layout
-        g = torch.Generator().manual_seed((cfg.seed * 1_000_003 + epoch) * 1_000_033 + i)
-        ids, p = sequences[i]
-        return sample_anchors(p, len(ids), cfg.anchors, g)
-
-    if cfg.cache_features and feature_source is None:  # one teacher-forced target pass per sequence, up front (not part of the time budget)
-        for i in tqdm(range(n_seq), desc="target features", unit="seq", disable=rank != 0, mininterval=5):
-            features(i)
+        state.total_steps = cfg.steps or max(1, int(cfg.epochs * data.steps_per_epoch))
+    if cfg.cache_features and data.feature_source is None:  # one target pass per sequence, up front (untimed)
+        for i in tqdm(range(len(data.sequences)), desc="target features", unit="seq", disable=rank != 0,
+                      mininterval=5):
+            data.features(i)
     bar = tqdm(total=state.total_steps, initial=state.step, desc="train", unit="step", disable=rank != 0,
                mininterval=5)
     t_start = time.perf_counter()
     seconds_before, first_step = state.train_seconds, state.step
     neg_gen = torch.Generator().manual_seed(cfg.seed + 17 * rank)
     while _progress(state, cfg) < 1.0:
-        step = state.step
-        global_idx = batch_indices(step)
-        mine = global_idx[rank::world]
+        step, global_idx = state.step, data.batch_indices(state.step)
         # global weight sum: known before any forward (labels depend only on anchors and lengths)
-        wsum = sum(batch_weight(sequences[i][0], anchors_for(i, step), draft.block_size, draft.mask_token_id,
-                                cfg.gamma) for i in global_idx)
-        batch = [(sequences[i][0], features(i), anchors_for(i, step)) for i in mine]
+        wsum = sum(batch_weight(data.sequences[i][0], data.anchors_for(i, step), draft.block_size,
+                                draft.mask_token_id, cfg.gamma) for i in global_idx)
+        batch = [(data.sequences[i][0], data.features(i), data.anchors_for(i, step)) for i in global_idx[rank::world]]
         factor = _lr_factor(_progress(state, cfg), cfg.warmup_frac, cfg.min_lr_ratio)
         stats = optimizer_step(model, optimizer, embed, head_weight, batch, wsum, cfg, cfg.lr * factor, neg_gen)
-        loss, grad_norm = stats["loss"], stats["grad_norm"]
         state.step += 1
         # the global loss (sum of weighted CE over all ranks / global weight sum); collectives on the training device
-        global_loss = torch.tensor([loss], dtype=torch.float64, device=dev)
+        global_loss = torch.tensor([stats["loss"]], dtype=torch.float64, device=dev)
         if world > 1:
             dist.all_reduce(global_loss)
         record = {"step": state.step, "loss": float(global_loss), "acc1": stats["acc1"], "lr": cfg.lr * factor,
-                  "grad_norm": grad_norm}
+                  "grad_norm": stats["grad_norm"]}
         state.history.append(record)
         state.train_seconds = seconds_before + time.perf_counter() - t_start
         bar.update(1)
@@ -228,18 +253,11 @@ def train(target, draft: DFlashDraftModel, sequences: list[tuple[torch.Tensor, i
             state.train_seconds = float(elapsed)
         if state.step % 25 == 0 and rank == 0:
             log(f"train: step {state.step}/{state.total_steps} loss {record['loss']:.4f} acc1 {stats['acc1']:.3f} "
-                f"lr {record['lr']:.2e} |g| {grad_norm:.2f} ({state.train_seconds / 60:.1f} min)")
+                f"lr {record['lr']:.2e} |g| {stats['grad_norm']:.2f} ({state.train_seconds / 60:.1f} min)")
         last = _progress(state, cfg) >= 1.0
         interrupted = stop_after is not None and state.step - first_step >= stop_after
         if evaluate is not None and rank == 0 and (state.step % cfg.eval_every == 0 or last):
-            draft.eval()
-            ev = evaluate(draft)
-            draft.train()
-            record.update(ev)
-            log(f"train: eval at step {state.step}: {ev}")
-            if out is not None and ev.get("tau", -1) > state.best_tau:
-                state.best_tau = ev["tau"]
-                draft.save_pretrained(out / "best", dtype=torch.bfloat16)
+            _evaluate(draft, evaluate, state, record, out, log)
         if out is not None and rank == 0 and (state.step % cfg.ckpt_every == 0 or last or interrupted):
             _save_checkpoint(ckpt, draft, optimizer, state)
         if interrupted:

@@ -51,6 +51,81 @@ def target_features(target, ids: torch.Tensor, layer_ids: Sequence[int], topk: i
 
 
 # ---------------------------------------------------------------------------------------------------- loss
+def _predicted_hidden(model, embed: torch.nn.Module, ids: torch.Tensor, feats: SequenceFeatures,
+                      anchors: torch.Tensor, cfg: TrainConfig, dev: torch.device,
+                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ONE drafter forward over all blocks of the sequence. Returns the hidden states [N, H] of the N predicted
+    positions (block positions 1..b-1 whose label lies inside the sequence), their labels [N] (on ``dev``) and the
+    [A, b-1] mask that picked them."""
+    core = getattr(model, "module", model)
+    b = core.block_size
+    n_ctx = int(anchors.max())  # context features 0..max_anchor-1 cover every block's needs
+    tokens, positions, labels = block_inputs(ids, anchors, b, core.mask_token_id)
+    mask = block_attention_mask(anchors, b, n_ctx, device=dev)[None, None]  # [1, 1, A*b, Nc + A*b]
+    with torch.no_grad():
+        block_embeds = embed(tokens.to(embed.weight.device))[None].to(dev, dtype)  # [1, A*b, H] (frozen target embeddings)
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.autocast):
+        hidden = model(block_embeds, feats.features[:n_ctx][None].to(dev, dtype), positions.to(dev),
+                       torch.arange(n_ctx, device=dev), attn_mask=mask)  # [1, A*b, H]
+    valid = labels >= 0  # [A, b-1]
+    hidden = hidden[0].view(len(anchors), b, -1)[:, 1:][valid.to(dev)]  # [N, H] predicted positions
+    return hidden, labels[valid].to(dev), valid
+
+
+def _topk_soft_labels(feats: SequenceFeatures, src: torch.Tensor, dev: torch.device,
+                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's renormalised top-k distribution labelling each predicted row: ids [N, k] and probabilities [N, k]
+    (the distribution for the token at anchor+k sits at sequence position ``src`` = anchor+k-1)."""
+    s_ids = feats.top_ids[src.to(feats.top_ids.device)].to(dev)  # [N, k]
+    s_prob = feats.top_logp[src.to(feats.top_ids.device)].to(dev).double().exp().to(dtype if dtype == torch.float64 else torch.float32)
+    return s_ids, s_prob / s_prob.sum(-1, keepdim=True)
+
+
+def _loss_vocabulary(cfg: TrainConfig, core, head_weight: torch.Tensor, labels: torch.Tensor,
+                     s_ids: torch.Tensor | None, dev: torch.device, generator: torch.Generator | None):
+    """The softmax's vocabulary for ``cfg.loss_vocab``: (lookup from token ids to head rows, head [C, H], and for
+    ``draft`` the token-to-draft-id map [V], -1 outside the draft vocabulary, else None)."""
+    if cfg.loss_vocab == "batch":
+        parts = [labels] + ([s_ids.reshape(-1)] if s_ids is not None else [])
+        if cfg.negatives > 0:
+            parts.append(torch.randint(0, head_weight.shape[0], (cfg.negatives,), generator=generator).to(dev))
+        cand = torch.unique(torch.cat(parts))  # sorted candidate ids [C]
+        return (lambda x: torch.searchsorted(cand, x)), head_weight[cand], None  # index of an id inside cand
+    if cfg.loss_vocab == "full":
+        return (lambda x: x), head_weight, None
+    if cfg.loss_vocab == "draft":
+        # the exact softmax of a drafter with a reduced vocabulary: over its V' tokens
+        if core.draft_vocab is None:
+            raise ValueError("loss_vocab='draft' needs a drafter with a draft vocabulary (set_draft_vocab)")
+        vocab = core.draft_vocab.to(dev)
+        t2d = torch.full((head_weight.shape[0],), -1, dtype=torch.long, device=dev)
+        t2d[vocab] = torch.arange(len(vocab), device=dev)
+        return (lambda x: t2d[x].clamp(min=0)), core.head_rows(head_weight), t2d
+    raise ValueError(f"loss_vocab must be 'full', 'batch' or 'draft', got {cfg.loss_vocab!r}")
+
+
+def _inside_draft_vocab(t2d: torch.Tensor, labels: torch.Tensor, w: torch.Tensor, s_ids: torch.Tensor | None,
+                        s_prob: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Labels outside the draft vocabulary cannot be drafted and leave the hard-label term (weight 0); soft labels
+    outside it are dropped and the rest renormalised. Returns the weights and soft-label probabilities."""
+    w = w * (t2d[labels] >= 0)
+    if s_prob is not None:
+        s_prob = s_prob * (t2d[s_ids] >= 0)
+        s_prob = s_prob / s_prob.sum(-1, keepdim=True).clamp(min=1e-12)
+    return w, s_prob
+
+
+def _head_log_probs(hidden: torch.Tensor, head: torch.Tensor, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [N, C] of the predicted rows over the head's vocabulary, and their log-softmax (at least fp32).
+
+    The head is the frozen target's (up to V x H = 0.6e9 entries): the product runs in the head's own dtype, so the
+    head is never cast or copied per sequence (``head.to(fp32)``, or autocast's cast of a non-bf16 head, would be).
+    """
+    with torch.autocast(dev.type, enabled=False):
+        logits = hidden.to(head.dtype) @ head.t()  # [N, C]
+    return logits, torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+
+
 def sequence_loss(model, embed: torch.nn.Module, head_weight: torch.Tensor, ids: torch.Tensor,
                   feats: SequenceFeatures, anchors: torch.Tensor, cfg: TrainConfig,
                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict]:
@@ -64,72 +139,34 @@ def sequence_loss(model, embed: torch.nn.Module, head_weight: torch.Tensor, ids:
     b = core.block_size
     dev = head_weight.device
     dtype = next(core.parameters()).dtype  # the drafter's master weights (fp32 when training)
-    n_ctx = int(anchors.max())  # context features 0..max_anchor-1 cover every block's needs
-    tokens, positions, labels = block_inputs(ids, anchors, b, core.mask_token_id)
-    mask = block_attention_mask(anchors, b, n_ctx, device=dev)[None, None]  # [1, 1, A*b, Nc + A*b]
-    with torch.no_grad():
-        block_embeds = embed(tokens.to(embed.weight.device))[None].to(dev, dtype)  # [1, A*b, H] (frozen target embeddings)
-    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.autocast):
-        hidden = model(block_embeds, feats.features[:n_ctx][None].to(dev, dtype), positions.to(dev),
-                       torch.arange(n_ctx, device=dev), attn_mask=mask)  # [1, A*b, H]
-    valid = labels >= 0  # [A, b-1]
-    hidden = hidden[0].view(len(anchors), b, -1)[:, 1:][valid.to(dev)]  # [N, H] predicted positions
-    w = position_weights(b, cfg.gamma).expand(len(anchors), -1)[valid].to(dev)  # [N]
-    labels = labels[valid].to(dev)  # [N]
+    hidden, labels, valid = _predicted_hidden(model, embed, ids, feats, anchors, cfg, dev, dtype)
+    weights = position_weights(b, cfg.gamma).expand(len(anchors), -1)[valid].to(dev)  # [N]
     distill_weight = cfg.distill_weight if feats.distill_weight is None else feats.distill_weight
     dense = feats.soft_logp is not None and distill_weight > 0
     if dense and cfg.loss_vocab != "draft":
         raise ValueError("dense soft labels (soft_logp) are over the draft vocabulary: they need loss_vocab='draft'")
     distill = feats.top_ids is not None and distill_weight > 0 and not dense
     src = (anchors[:, None] + torch.arange(b - 1))[valid]  # [N] sequence position whose distribution labels each row
-    if distill:
-        # the target's distribution for the token at anchor+k sits at sequence position anchor+k-1
-        s_ids = feats.top_ids[src.to(feats.top_ids.device)].to(dev)  # [N, k]
-        s_prob = feats.top_logp[src.to(feats.top_ids.device)].to(dev).double().exp().to(dtype if dtype == torch.float64 else torch.float32)
-        s_prob = s_prob / s_prob.sum(-1, keepdim=True)  # renormalised top-k distribution
-    if cfg.loss_vocab == "batch":
-        parts = [labels] + ([s_ids.reshape(-1)] if distill else [])
-        if cfg.negatives > 0:
-            parts.append(torch.randint(0, head_weight.shape[0], (cfg.negatives,), generator=generator).to(dev))
-        cand = torch.unique(torch.cat(parts))  # sorted candidate ids [C]
-        lookup = lambda x: torch.searchsorted(cand, x)  # noqa: E731  index of an id inside cand
-        head = head_weight[cand]
-    elif cfg.loss_vocab == "full":
-        lookup, head = (lambda x: x), head_weight
-    elif cfg.loss_vocab == "draft":
-        # the exact softmax of a drafter with a reduced vocabulary: over its V' tokens; labels outside it cannot be
-        # drafted and leave the hard-label term, soft labels outside it are dropped and the rest renormalised
-        if core.draft_vocab is None:
-            raise ValueError("loss_vocab='draft' needs a drafter with a draft vocabulary (set_draft_vocab)")
-        vocab = core.draft_vocab.to(dev)
-        t2d = torch.full((head_weight.shape[0],), -1, dtype=torch.long, device=dev)
-        t2d[vocab] = torch.arange(len(vocab), device=dev)
-        lookup, head = (lambda x: t2d[x].clamp(min=0)), core.head_rows(head_weight)
-        inside = t2d[labels] >= 0
-        w = w * inside
-        if distill:
-            s_prob = s_prob * (t2d[s_ids] >= 0)
-            s_prob = s_prob / s_prob.sum(-1, keepdim=True).clamp(min=1e-12)
-    else:
-        raise ValueError(f"loss_vocab must be 'full', 'batch' or 'draft', got {cfg.loss_vocab!r}")
-    # The head is the frozen target's (up to V x H = 0.6e9 entries): the product runs in the head's own dtype, so the
-    # head is never cast or copied per sequence (``head.to(fp32)``, or autocast's cast of a non-bf16 head, would be).
-    with torch.autocast(dev.type, enabled=False):
-        logits = hidden.to(head.dtype) @ head.t()  # [N, C]
-    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    s_ids, s_prob = _topk_soft_labels(feats, src, dev, dtype) if distill else (None, None)
+    lookup, head, t2d = _loss_vocabulary(cfg, core, head_weight, labels, s_ids, dev, generator)
+    w = weights
+    if t2d is not None:
+        w, s_prob = _inside_draft_vocab(t2d, labels, w, s_ids, s_prob)
+    logits, logp = _head_log_probs(hidden, head, dev)
     ce = -logp.gather(1, lookup(labels)[:, None])[:, 0]  # [N]
     if distill:
         soft = -(s_prob * logp.gather(1, lookup(s_ids))).sum(-1)  # [N]
         ce = (1 - distill_weight) * ce + distill_weight * soft
+    d_prob = None
     if dense:
         d_prob = feats.soft_logp[src.to(feats.soft_logp.device)].to(dev).float().exp()  # [N, V'] target's distribution
         soft = -(d_prob * logp).sum(-1)  # [N] cross-entropy against it (the drafter's softmax over the same V')
         if distill_weight >= 1:  # pure distillation: every row counts, also labels outside the draft vocabulary
-            ce, w = soft, position_weights(b, cfg.gamma).expand(len(anchors), -1)[valid].to(dev)
+            ce, w = soft, weights
         else:
             ce = (1 - distill_weight) * ce + distill_weight * soft
     with torch.no_grad():
-        first = position_weights(b, cfg.gamma).expand(len(anchors), -1)[valid].to(dev) == 1.0  # block position k = 1
+        first = weights == 1.0  # block position k = 1
         # top-1 agreement with the target's own choice when its distribution is known, else with the label
         want = d_prob[first].argmax(-1) if dense else lookup(labels[first])
         hits = int((logits[first].argmax(-1) == want).sum())

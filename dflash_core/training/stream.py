@@ -194,6 +194,93 @@ class StreamState:
         return cls(**{**d, "cursor": Cursor(**d["cursor"])})
 
 
+def _resume_stream(ckpt: Path, draft, optimizer, dev, state: StreamState, log) -> StreamState:
+    """The run's state: from ``checkpoint.pt`` when there is one (weights and optimizer restored), else ``state``."""
+    if not ckpt.is_file():
+        return state
+    blob = load_checkpoint(ckpt, dev)
+    draft.load_state_dict(blob["draft"])
+    optimizer.load_state_dict(blob["optimizer"])
+    state = StreamState.from_dict(json.loads(blob["stream_state"]))
+    log(f"stream: resumed from {ckpt} at step {state.step}, {state.tokens} tokens")
+    return state
+
+
+def _save_stream_checkpoint(ckpt: Path, draft, optimizer, state: StreamState) -> None:
+    """Write drafter, optimizer and the stream state (as JSON, cursor included) to ``ckpt`` atomically."""
+    blob_state = {"stream_state": json.dumps(state.to_dict())}
+    tmp = ckpt.with_suffix(".tmp")
+    torch.save({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(), **blob_state,
+                "config": draft.config.to_dict()}, tmp)
+    tmp.replace(ckpt)
+
+
+def _stream_eval(draft, evaluate, state: StreamState, log) -> None:
+    """Evaluate the drafter (when there is an ``evaluate``) and add the result, with the token count, to the history."""
+    if evaluate is None:
+        return
+    t0 = time.perf_counter()
+    draft.eval()
+    ev = evaluate(draft)
+    draft.train()
+    entry = {"step": state.step, "tokens": state.tokens, **ev, "eval_seconds": time.perf_counter() - t0}
+    state.history.append(entry)
+    brief = {k: v for k, v in ev.items() if not isinstance(v, (dict, list))}
+    log(f"stream: eval at {state.tokens} tokens (step {state.step}, {entry['eval_seconds']:.0f} s): {brief}")
+
+
+def _train_step(target, draft, optimizer, seqs: list[StreamSequence], state: StreamState, cfg: TrainConfig,
+                gen: torch.Generator) -> tuple[dict, float, float]:
+    """One step on ``seqs``: the batched target pass, anchors keyed by (seed, step, slot), one optimizer step at the
+    learning rate of the token schedule. Returns (the step's stats, its learning rate, seconds in the target pass)."""
+    t0 = time.perf_counter()
+    feats = teacher_forced_batch(target, draft, [s.ids for s in seqs],
+                                 [None if s.kind == "generated" else 1.0 for s in seqs])
+    t_target = time.perf_counter() - t0
+    anchors = [sample_anchors(s.prompt_len, len(s.ids), cfg.anchors,
+                              torch.Generator().manual_seed(hash((cfg.seed, state.step, j)) % 2**62))
+               for j, s in enumerate(seqs)]
+    wsum = sum(batch_weight(s.ids, a, draft.block_size, draft.mask_token_id, cfg.gamma)
+               for s, a in zip(seqs, anchors))
+    progress = 0.0 if state.planned_tokens is None else state.tokens / state.planned_tokens
+    lr = cfg.lr * _lr_factor(progress, cfg.warmup_frac, cfg.min_lr_ratio)
+    stats = optimizer_step(draft, optimizer, target.model.embed_tokens, target.lm_head.weight,
+                           [(s.ids, f, a) for s, f, a in zip(seqs, feats, anchors)], wsum, cfg, lr, gen)
+    return stats, lr, t_target
+
+
+def _count_step(state: StreamState, seqs: list[StreamSequence], t_target: float, t_step: float) -> None:
+    """Count the finished step in ``state``: its response tokens (in all and per source kind) and its times."""
+    state.step += 1
+    new = sum(s.response_tokens for s in seqs)
+    state.tokens += new
+    for s in seqs:
+        state.by_kind[s.kind] = state.by_kind.get(s.kind, 0) + s.response_tokens
+    state.target_seconds += t_target
+    state.target_tokens += sum(len(s.ids) for s in seqs)
+    state.train_seconds += time.perf_counter() - t_step
+
+
+def _log_step(state: StreamState, stats: dict, lr: float, log_every: int, log) -> None:
+    """Every ``log_every`` steps: the step's record joins the history, and a line with the throughput is logged."""
+    record = {"step": state.step, "tokens": state.tokens, "loss": stats["loss"], "acc1": stats["acc1"],
+              "lr": lr, "grad_norm": stats["grad_norm"]}
+    if state.step % log_every == 0:
+        state.history.append(record)
+        log(f"stream: step {state.step} tokens {state.tokens} loss {stats['loss']:.4f} acc1 {stats['acc1']:.3f} "
+            f"lr {lr:.2e} | target pass {state.target_tokens / state.target_seconds:.0f} tok/s, end to end "
+            f"{state.tokens / state.train_seconds:.0f} response tok/s ({state.train_seconds / 60:.1f} min)")
+
+
+def _plan_tokens(state: StreamState, minutes: float | None, plan_after_steps: int, log) -> None:
+    """Fix the run's token plan once ``plan_after_steps`` steps have measured the rate (when none is set yet)."""
+    if state.planned_tokens is None and state.step >= plan_after_steps:
+        rate = state.tokens / state.train_seconds
+        state.planned_tokens = int(rate * minutes * 60)
+        log(f"stream: {rate:.0f} response tokens/s over the first {state.step} steps: this run plans "
+            f"{state.planned_tokens} tokens ({minutes} min)")
+
+
 def stream_train(target, draft: DFlashDraftModel, stream: SequenceStream, cfg: TrainConfig, out: Path,
                  log: Callable[[str], None] = print, evaluate: Callable[[DFlashDraftModel], dict] | None = None,
                  minutes: float | None = None, tokens: int | None = None, eval_every_tokens: int = 500_000,
@@ -212,42 +299,15 @@ def stream_train(target, draft: DFlashDraftModel, stream: SequenceStream, cfg: T
     draft.to(dev).float().train()
     for p in target.parameters():
         p.requires_grad_(False)
-    embed, head_weight = target.model.embed_tokens, target.lm_head.weight
     optimizer = make_optimizer(draft, cfg)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = out / "checkpoint.pt"
-    state = state or StreamState(cursor=stream.cursor)
-    if ckpt.is_file():
-        blob = load_checkpoint(ckpt, dev)
-        draft.load_state_dict(blob["draft"])
-        optimizer.load_state_dict(blob["optimizer"])
-        state = StreamState.from_dict(json.loads(blob["stream_state"]))
-        log(f"stream: resumed from {ckpt} at step {state.step}, {state.tokens} tokens")
+    state = _resume_stream(ckpt, draft, optimizer, dev, state or StreamState(cursor=stream.cursor), log)
     stream.cursor = state.cursor
     if tokens is not None:
         state.planned_tokens = tokens
-
-    def save() -> None:
-        blob_state = {"stream_state": json.dumps(state.to_dict())}
-        tmp = ckpt.with_suffix(".tmp")
-        torch.save({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(), **blob_state,
-                    "config": draft.config.to_dict()}, tmp)
-        tmp.replace(ckpt)
-
-    def run_eval() -> None:
-        if evaluate is None:
-            return
-        t0 = time.perf_counter()
-        draft.eval()
-        ev = evaluate(draft)
-        draft.train()
-        entry = {"step": state.step, "tokens": state.tokens, **ev, "eval_seconds": time.perf_counter() - t0}
-        state.history.append(entry)
-        brief = {k: v for k, v in ev.items() if not isinstance(v, (dict, list))}
-        log(f"stream: eval at {state.tokens} tokens (step {state.step}, {entry['eval_seconds']:.0f} s): {brief}")
-
     if not state.history or all("tau_chain" not in h for h in state.history):
-        run_eval()
+        _stream_eval(draft, evaluate, state, log)
     next_eval = (state.tokens // eval_every_tokens + 1) * eval_every_tokens
     gen = torch.Generator().manual_seed(cfg.seed)
     while state.planned_tokens is None or state.tokens < state.planned_tokens:
@@ -256,47 +316,17 @@ def stream_train(target, draft: DFlashDraftModel, stream: SequenceStream, cfg: T
         if not seqs:
             log("stream: every source is used up")
             break
-        t0 = time.perf_counter()
-        feats = teacher_forced_batch(target, draft, [s.ids for s in seqs],
-                                     [None if s.kind == "generated" else 1.0 for s in seqs])
-        t_target = time.perf_counter() - t0
-        anchors = [sample_anchors(s.prompt_len, len(s.ids), cfg.anchors,
-                                  torch.Generator().manual_seed(hash((cfg.seed, state.step, j)) % 2**62))
-                   for j, s in enumerate(seqs)]
-        wsum = sum(batch_weight(s.ids, a, draft.block_size, draft.mask_token_id, cfg.gamma)
-                   for s, a in zip(seqs, anchors))
-        progress = 0.0 if state.planned_tokens is None else state.tokens / state.planned_tokens
-        lr = cfg.lr * _lr_factor(progress, cfg.warmup_frac, cfg.min_lr_ratio)
-        stats = optimizer_step(draft, optimizer, embed, head_weight,
-                               [(s.ids, f, a) for s, f, a in zip(seqs, feats, anchors)], wsum, cfg, lr, gen)
-        del feats
-        state.step += 1
-        new = sum(s.response_tokens for s in seqs)
-        state.tokens += new
-        for s in seqs:
-            state.by_kind[s.kind] = state.by_kind.get(s.kind, 0) + s.response_tokens
-        state.target_seconds += t_target
-        state.target_tokens += sum(len(s.ids) for s in seqs)
-        state.train_seconds += time.perf_counter() - t_step
-        record = {"step": state.step, "tokens": state.tokens, "loss": stats["loss"], "acc1": stats["acc1"],
-                  "lr": lr, "grad_norm": stats["grad_norm"]}
-        if state.step % log_every == 0:
-            state.history.append(record)
-            log(f"stream: step {state.step} tokens {state.tokens} loss {stats['loss']:.4f} acc1 {stats['acc1']:.3f} "
-                f"lr {lr:.2e} | target pass {state.target_tokens / state.target_seconds:.0f} tok/s, end to end "
-                f"{state.tokens / state.train_seconds:.0f} response tok/s ({state.train_seconds / 60:.1f} min)")
-        if state.planned_tokens is None and state.step >= plan_after_steps:
-            rate = state.tokens / state.train_seconds
-            state.planned_tokens = int(rate * minutes * 60)
-            log(f"stream: {rate:.0f} response tokens/s over the first {state.step} steps: this run plans "
-                f"{state.planned_tokens} tokens ({minutes} min)")
+        stats, lr, t_target = _train_step(target, draft, optimizer, seqs, state, cfg, gen)
+        _count_step(state, seqs, t_target, t_step)
+        _log_step(state, stats, lr, log_every, log)
+        _plan_tokens(state, minutes, plan_after_steps, log)
         if state.tokens >= next_eval:
-            run_eval()
+            _stream_eval(draft, evaluate, state, log)
             next_eval += eval_every_tokens
         if state.step % cfg.ckpt_every == 0:
-            save()
+            _save_stream_checkpoint(ckpt, draft, optimizer, state)
     if not state.history or state.history[-1].get("tokens") != state.tokens or "tau_chain" not in state.history[-1]:
-        run_eval()
-    save()
+        _stream_eval(draft, evaluate, state, log)
+    _save_stream_checkpoint(ckpt, draft, optimizer, state)
     draft.eval()
     return state

