@@ -10,8 +10,8 @@ from dflash_core.tree import DraftTree
 from .budget import AutoBudget
 from .build import build_tree
 from .generate import FixedBudget, ddtree_generate, make_policy
-from .lookup import LookupTree
-from .sampled import SampledTree
+from .lookup import LookupTreePolicy
+from .sampled import SampledTreePolicy
 
-__all__ = ["AutoBudget", "DraftTree", "FixedBudget", "LookupTree", "SampledTree", "build_tree", "ddtree_generate",
-           "make_policy"]
+__all__ = ["AutoBudget", "DraftTree", "FixedBudget", "LookupTreePolicy", "SampledTreePolicy", "build_tree",
+           "ddtree_generate", "make_policy"]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import time
 from typing import Sequence
 
 import torch
@@ -32,8 +33,8 @@ from dflash_core.target import check_tree_attention
 
 from .budget import AutoBudget
 from .build import build_tree
-from .lookup import LookupTree
-from .sampled import SampledTree
+from .lookup import LookupTreePolicy
+from .sampled import SampledTreePolicy
 from dflash_core.tree import DraftTree
 
 __all__ = ["BUDGET_WORDS", "FixedBudget", "TREE_KINDS", "check_verifiable", "ddtree_generate", "make_policy",
@@ -90,7 +91,7 @@ def make_policy(budget, target=None, draft=None, tree: str = "topk", temperature
             token_map = getattr(draft, "d2t", None)
             if token_map is None:
                 token_map = getattr(draft, "draft_vocab", None)
-            return SampledTree(budget, temperature, seed=seed, token_map=token_map)
+            return SampledTreePolicy(budget, temperature, seed=seed, token_map=token_map)
     if budget == "chain":
         return Chain()
     if budget in ("auto", "chain-auto"):
@@ -194,7 +195,8 @@ def ddtree_generate(
         context = int(input_ids.shape[-1])
         policy = make_policy(budget, target, draft, tree=tree, temperature=temperature, seed=seed,
                              **({"context": context} if budget in ("auto", "chain-auto") else {}))
-        policy = LookupTree(policy if budget == "auto" else budget) if lookup else policy
+        if lookup:  # timed rounds: it may skip the drafter where the continuation alone pays more
+            policy = LookupTreePolicy(policy if budget == "auto" else budget, clock=time.perf_counter)
     result = speculative_generate(target, draft, input_ids, policy, max_new_tokens, temperature, stop_token_ids, seed,
                                   block_size=block_size, trace=trace, check_trees=check_trees)
     if getattr(policy, "calibration_s", 0.0):  # ``auto`` measured its cost curve inside this call

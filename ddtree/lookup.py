@@ -25,6 +25,7 @@ the output stays exactly the target's whatever the estimates are.
 from __future__ import annotations
 
 import math
+from collections import deque
 
 import numpy as np
 import torch
@@ -35,7 +36,7 @@ from dflash_core.tree import ROOT, DraftTree
 from .budget import AutoBudget, truncate_tree
 from .build import build_tree
 
-__all__ = ["LookupTree", "merge_lookup"]
+__all__ = ["LookupTreePolicy", "merge_lookup"]
 
 
 def merge_lookup(tree: DraftTree, continuation: list[int], estimates: list[float], budget: int,
@@ -72,18 +73,30 @@ def merge_lookup(tree: DraftTree, continuation: list[int], estimates: list[float
     return merged, placed, [origin.get(p, -1) for p in chosen]
 
 
-class LookupTree:
+class LookupTreePolicy:
     """Proposal policy: the DDTree with the context's continuation merged in (module docstring), under a fixed node
     ``budget`` (an int) or sized per round by an :class:`~ddtree.budget.AutoBudget` (``budget=AutoBudget(...)``):
     ``auto`` then ranks its calibrated drafter nodes and the lookup nodes together and chooses how many of the
     merged best-first list to verify with its cost curve; it learns its calibration from the drafter's nodes only.
 
     ``lookup_committed``: per round, how many committed tokens were lookup nodes.
+
+    Skipping the drafter (``clock``, e.g. ``time.perf_counter``; what ``ddtree_generate(lookup=True)`` passes): the
+    policy times its rounds (the clock between consecutive :meth:`wants_draft` calls spans one whole round) and keeps
+    the committed tokens per second of rounds with the drafter and the seconds of rounds without it. A round whose
+    continuation promises more, 1 + sum_k a_n(k) tokens in a round without the drafter pass, than the drafted
+    rounds deliver per second, skips the pass and verifies the continuation alone (until rounds without it were
+    timed, their cost is taken as ``SKIP_PRIOR`` of a drafted round's). Without a clock every round drafts
+    (replayable). Whatever is skipped, the output is the target's: only which positions are verified changes.
+    ``skipped``: per round, whether the drafter was skipped.
     """
 
     uses_draft = True
+    SKIP_PRIOR = 0.85  # a round without the drafter pass, relative to one with it, before any was timed
+    WINDOW = 64  # rounds of each kind the rates are taken over
 
-    def __init__(self, budget: int | AutoBudget, max_ngram: int = 3, num_tokens: int = 10) -> None:
+    def __init__(self, budget: int | AutoBudget, max_ngram: int = 3, num_tokens: int = 10,
+                 clock=None) -> None:
         self.auto = budget if isinstance(budget, AutoBudget) else None
         if self.auto is not None and self.auto.chain:
             raise ValueError("lookup branches join trees: use budget='auto', not 'chain-auto'")
@@ -96,6 +109,37 @@ class LookupTree:
         self._round: tuple[int, list[int]] | None = None  # (match length, node index per continuation depth)
         self._drafter_nodes: dict[int, int] | None = None  # auto: merged node -> position among the drafter's
         self.lookup_committed: list[int] = []
+        self.clock, self.skipped = clock, []
+        self._timed: dict[bool, deque] = {False: deque(maxlen=self.WINDOW), True: deque(maxlen=self.WINDOW)}
+        self._open: tuple[float, int, bool] | None = None  # (clock, history length, skipped) of the round in flight
+        self._lookup: tuple[int, list[int], list[float]] | None = None  # this round's match, from wants_draft
+
+    def wants_draft(self, history: list[int]) -> bool:
+        """Whether this round runs the drafter (the loop asks before the draft step; see the class docstring)."""
+        now = self.clock() if self.clock is not None else None
+        if self._open is not None and now is not None and len(history) > self._open[1]:
+            began, length, skipped = self._open  # the previous round: its seconds and committed tokens
+            self._timed[skipped].append((now - began, len(history) - length))
+        self._lookup = self._match(history)
+        skip = now is not None and self._skip_pays(self._lookup[2])
+        self._open = (now, len(history), skip) if now is not None else None
+        return not skip
+
+    def _match(self, history: list[int]) -> tuple[int, list[int], list[float]]:
+        self.index.follow(history)
+        n, continuation = self.index.continuation(self.num_tokens)
+        return n, continuation, self.estimates(n, len(continuation)) if n and continuation else []
+
+    def _skip_pays(self, estimates: list[float]) -> bool:
+        drafted = self._timed[False]
+        if not estimates or len(drafted) < 4:
+            return False
+        seconds = sum(s for s, _ in drafted)
+        rate = sum(t for _, t in drafted) / max(seconds, 1e-12)  # committed tokens per second with the drafter
+        alone = self._timed[True]
+        round_s = (sorted(s for s, _ in alone)[len(alone) // 2] if alone
+                   else self.SKIP_PRIOR * seconds / len(drafted))
+        return (1.0 + sum(estimates[: self.budget])) / max(round_s, 1e-12) > rate
 
     @property
     def calibration_s(self) -> float:
@@ -110,11 +154,17 @@ class LookupTree:
             out.append(a)
         return out
 
-    def propose(self, draft_logits: torch.Tensor, history: list[int], token_map: torch.Tensor | None = None
+    def propose(self, draft_logits: torch.Tensor | None, history: list[int], token_map: torch.Tensor | None = None
                 ) -> DraftTree:
-        self.index.follow(history)
-        n, continuation = self.index.continuation(self.num_tokens)
-        estimates = self.estimates(n, len(continuation)) if n and continuation else []
+        n, continuation, estimates = self._lookup if self._lookup is not None else self._match(history)
+        self._lookup = None
+        self.skipped.append(draft_logits is None)
+        if draft_logits is None:  # the drafter was skipped: the continuation alone (values: its estimates)
+            m = min(len(continuation), self.budget)
+            self._drafter_nodes, self._round = {}, ((n, list(range(m))) if m else None)
+            log_p = [math.log(max(a, 1e-300)) for a in estimates[:m]]
+            return DraftTree(torch.tensor(continuation[:m], dtype=torch.long), torch.arange(-1, m - 1),
+                             torch.arange(1, m + 1), torch.tensor(log_p, dtype=torch.float64))
         if self.auto is not None:
             return self._propose_auto(draft_logits, history, token_map, n, continuation, estimates)
         tree = build_tree(draft_logits, self.budget, token_map=token_map)
@@ -143,7 +193,7 @@ class LookupTree:
     def observe(self, accepted: int, path: list[int]) -> None:
         """Learn from the walk: how deep along the continuation's nodes the accepted path went (and, under
         ``auto``, which of the drafter's nodes were accepted)."""
-        if self.auto is not None:
+        if self.auto is not None and not self.skipped[-1]:  # auto learns from the rounds it sized
             mine = [self._drafter_nodes[i] for i in path if i in self._drafter_nodes]
             self.auto.observe(accepted, mine)
         if self._round is None:

@@ -9,7 +9,7 @@ sum_x min(p(x), q(x)) = 1 - TV(p, q), which at T = 1 is often well above the mas
 Three pieces, one idea each:
 
 * :class:`RecursiveRejection` -- the verification rule at one node (exact; see its docstring for why);
-* :class:`SampledTree` -- the proposal policy: children sampled without replacement from
+* :class:`SampledTreePolicy` -- the proposal policy: children sampled without replacement from
   q_d = softmax(draft_logits[d-1] / T_draft), tree grown best-first under the node budget;
 * :class:`SampledDraftTree` -- the tree it returns: a :class:`DraftTree` that also records, for every node, the
   proposal its children were drawn from, and carries its own ``verify`` (the decode loop calls it instead of
@@ -39,7 +39,7 @@ from dflash_core.decoding import follow
 
 from dflash_core.tree import ROOT, DraftTree
 
-__all__ = ["RecursiveRejection", "SampledDraftTree", "SampledTree", "sample_tree"]
+__all__ = ["RecursiveRejection", "SampledDraftTree", "SampledTreePolicy", "sample_tree"]
 
 # A residual whose total mass is below this is rounding noise: the rejection that leads to it has probability equal to
 # that mass (sum_x max(q(x) - p(x), 0) = sum_x max(p(x) - q(x), 0)), so what is sampled there cannot matter.
@@ -238,7 +238,7 @@ class _Rows:
         return self.probs[row]
 
 
-class SampledTree:
+class SampledTreePolicy:
     """Proposal policy: a tree of at most ``budget`` nodes whose children are sampled from the drafter.
 
     The children of a node at depth d are draws WITHOUT replacement from q_{d+1} = softmax(draft_logits[d] / T_draft)
@@ -353,5 +353,5 @@ class SampledTree:
 
 def sample_tree(draft_logits: torch.Tensor, budget: int, temperature: float = 1.0, seed: int = 0,
                 token_map: torch.Tensor | None = None) -> SampledDraftTree:
-    """One sampled tree (see :class:`SampledTree`): the counterpart of :func:`ddtree.build_tree` at T > 0."""
-    return SampledTree(budget, temperature, seed=seed, token_map=token_map).propose(draft_logits)
+    """One sampled tree (see :class:`SampledTreePolicy`): the counterpart of :func:`ddtree.build_tree` at T > 0."""
+    return SampledTreePolicy(budget, temperature, seed=seed, token_map=token_map).propose(draft_logits)

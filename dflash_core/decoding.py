@@ -31,9 +31,9 @@ from .timing import StageTimer
 from .tree import ROOT, DraftTree, child_index
 
 __all__ = [
-    "GenerationResult", "Proposal", "ProposalPolicy", "NoDraft", "Chain",
-    "check_proposal", "compile_proposal", "follow", "speculative_generate", "autoregressive_generate", "dflash_generate",
-    "draft_states", "draft_block", "verify_proposal", "commit_path", "truncate_at_stop", "validate_request",
+    "GenerationResult", "Proposal", "ProposalPolicy", "NoDraft", "Chain", "check_proposal", "compile_proposal",
+    "follow", "speculative_generate", "autoregressive_generate", "dflash_generate", "draft_states", "draft_block",
+    "verify_proposal", "commit_path", "truncate_at_stop", "validate_request", "prefill", "proposer", "drafter_wanted",
 ]
 
 
@@ -110,7 +110,8 @@ def check_proposal(proposal: Proposal) -> None:
         raise ValueError(f"the policy proposed an invalid tree: {error}") from None
 
 
-def compile_proposal(proposal: Proposal, root: int, start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def compile_proposal(proposal: Proposal, root: int, start: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Flatten root + nodes for one target forward.
 
     Returns token ids [n+1] (root first, then nodes in proposal order), position ids [n+1] (= start + depth, the root
@@ -183,6 +184,15 @@ def observer(policy):
     if takes_path:
         return lambda path: observe(len(path), path)
     return lambda path: observe(len(path))
+
+
+def drafter_wanted(policy):
+    """``f(history) -> bool``: whether this round runs the drafter. True every round for a policy that uses it,
+    unless it has ``wants_draft(history)`` (a lookup policy may skip the pass when the context is reliable enough:
+    it then gets ``draft_logits=None``); False for policies that never use it."""
+    if not policy.uses_draft:
+        return lambda history: False
+    return getattr(policy, "wants_draft", None) or (lambda history: True)
 
 
 def proposer(policy):
@@ -329,13 +339,17 @@ def verify_proposal(adapter: TargetAdapter, cache, proposal: Proposal, root: int
     return adapter.forward(ids, positions, cache, visibility=visibility, with_features=with_features)
 
 
-def commit_path(adapter: TargetAdapter, cache, start: int, path: list[int],
-                features: torch.Tensor | None) -> tuple[int, torch.Tensor | None]:
+def commit_path(adapter: TargetAdapter, cache, start: int, path: list[int], features: torch.Tensor | None,
+                carried: torch.Tensor | None = None) -> tuple[int, torch.Tensor | None]:
     """Step 3, commit: keep the root and the accepted nodes in the target cache (compaction); returns the new cache
-    length and the kept positions' features (the drafter's next context, None without features)."""
+    length and the kept positions' features (the drafter's next context, None without features), after
+    ``carried``: features the drafter has not consumed yet (a round that skipped the drafter)."""
     keep = torch.tensor([0] + [i + 1 for i in path], dtype=torch.long)  # root + accepted nodes
     adapter.compact(cache, start, keep)
-    return start + len(keep), None if features is None else features[keep.to(features.device)]
+    if features is None:
+        return start + len(keep), None
+    kept = features[keep.to(features.device)]
+    return start + len(keep), kept if carried is None else torch.cat([carried, kept])
 
 
 # ---------------------------------------------------------------------------------------------------- the loop
@@ -360,8 +374,7 @@ def speculative_generate(
     adapter, stops = _prepare(target, draft, input_ids, policy, max_new_tokens, temperature, stop_token_ids,
                               block_size)
     device, uses_draft = adapter.device, policy.uses_draft
-    generator = torch.Generator(device=device).manual_seed(seed)
-    timer = StageTimer(device)
+    generator, timer = torch.Generator(device=device).manual_seed(seed), StageTimer(device)
     result = GenerationResult([], [], {}, int(input_ids.shape[1]), trees=[] if trace else None)
     if max_new_tokens == 0:
         result.timings = {"prefill": 0.0, "decode": 0.0}
@@ -374,10 +387,10 @@ def speculative_generate(
     done = root in stops or max_new_tokens <= 1
     observe = observer(policy)  # optional feedback hook: the nodes accepted this round
     propose, compact = proposer(policy)  # compact: draft logits over the draft vocabulary plus their id map
-    t_loop = time.perf_counter()
+    wanted, t_loop = drafter_wanted(policy), time.perf_counter()
     while not done:
         drafted = None
-        if uses_draft:
+        if wanted(history):
             with timer.stage("draft"):  # [b-1, V] logits, or ([b-1, V'] logits, [V'] id map) when compact
                 drafted = draft_block(draft, adapter, root, pending, start, draft_cache, block_size, compact)
         with timer.stage("tree"):
@@ -392,7 +405,8 @@ def speculative_generate(
                                                max_new_tokens - len(result.new_token_ids))
             if observe is not None:
                 observe(path[: len(committed)])  # the accepted nodes that were committed (a stop cuts the rest)
-            start, pending = commit_path(adapter, cache, start, path, out.features)
+            carried = pending if drafted is None else None  # a round without the drafter consumed no features
+            start, pending = commit_path(adapter, cache, start, path, out.features, carried)
             result.add_round(committed, proposal)
             history += committed
             root = bonus

@@ -315,7 +315,8 @@ class DFlashDraftModel(nn.Module):
             self._head_rows = (key, head_weight.detach().index_select(0, self.draft_vocab.to(head_weight.device)))
         return self._head_rows[1]
 
-    def compact_logits(self, hidden: torch.Tensor, head_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def compact_logits(self, hidden: torch.Tensor, head_weight: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[..., hidden] -> (float32 logits [..., V'] over the draft vocabulary, its id map [V'] or None).
 
         Column j is the target token ``draft_vocab[j]``; only those rows of the target's head are computed (the

@@ -27,7 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from .blocks import block_attention_mask, block_inputs
-from .decoding import ProposalPolicy, autoregressive_generate, observer, proposer, truncate_at_stop, verify_walk
+from .decoding import (
+    ProposalPolicy, autoregressive_generate, drafter_wanted, observer, proposer, truncate_at_stop, verify_walk,
+)
 from .target import TargetAdapter
 
 __all__ = ["ReplayResult", "draft_hidden_all_rounds", "replay", "replay_policies", "replay_generate"]
@@ -97,12 +99,15 @@ def replay(target, draft, policy: ProposalPolicy, ids: torch.Tensor, prompt_len:
     result = ReplayResult([], [])
     observe = observer(policy)
     propose, compact = proposer(policy)
+    wanted = drafter_wanted(policy)
     while not done:
         if anchor - prompt_len >= len(hidden):
             raise ValueError("the continuation ended before max_new_tokens without a stop token: pass the full "
                              "greedy continuation (plain decoding with the same stop tokens and max_new_tokens)")
-        states = hidden[anchor - prompt_len].to(adapter.device)  # [b-1, H]
-        drafted = adapter.draft_logits(states, draft) if compact else adapter.lm_head(states, draft)  # as the loop
+        drafted = None
+        if wanted(history):  # as the loop: the policy may skip the drafter this round
+            states = hidden[anchor - prompt_len].to(adapter.device)  # [b-1, H]
+            drafted = adapter.draft_logits(states, draft) if compact else adapter.lm_head(states, draft)
         proposal = propose(drafted, history)
         # the target's greedy choice after a node at depth d is the continuation's token at anchor + d + 1 (only
         # nodes on the continuation's path are ever reached by the walk); past the end: a token no child carries

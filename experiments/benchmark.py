@@ -143,11 +143,11 @@ def _warm_up_and_size(session: Session, todo: list[Conversation], run: RunFolder
     calibration = session.calibrate(todo)
     if calibration is not None:
         run.update_session(calibration=calibration)
-    per_token = session.warm_up()
+    per_token, per_call = session.warm_up(todo)
     units = [Unit(c, turn, v) for c in todo for turn in range(len(c.item.turns)) for v in variants
              if v.key(c.item.dataset, c.item.sample_id, turn, c.temperature) not in done]
     budget = None if full else preset.time_budget_s
-    kept, report = size_run(units, per_token, preset.max_new_tokens, budget if budget else float("inf"))
+    kept, report = size_run(units, per_token, preset.max_new_tokens, budget if budget else float("inf"), per_call)
     if budget and report["left_out"]:
         keep_conv = {u.conv.index for u in kept}
         keep_var = {u.variant for u in kept} | {v for v in variants if v.method == "ar"}

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from dflash_core.timing import cpu_model, median_seconds
+from experiments.models import resolve_dtype
 from experiments.schema import write_json_atomic
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
@@ -40,7 +41,7 @@ SHAPES = (("q/o", 576, 576, 60), ("k/v", 576, 192, 60), ("gate/up", 576, 1536, 6
 
 def time_kernels(kernels: list[str], dtype_name: str, repeats: int) -> dict:
     """{kernel: {shape: {rows: ms}}} for the kernels that run on this machine in ``dtype_name``."""
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    dtype = resolve_dtype(dtype_name, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     out: dict = {}
     for kernel in kernels:

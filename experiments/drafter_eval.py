@@ -189,9 +189,11 @@ def main(argv=None) -> None:
     a = parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    from dflash_core.default import default_dtype, load_default_target, stop_token_ids
+    from dflash_core.default import load_default_target, stop_token_ids
 
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(a.dtype) or default_dtype()
+    from .models import resolve_dtype
+
+    dtype = resolve_dtype(a.dtype or "auto", torch.device("cpu"))
     target, tokenizer = load_default_target(dtype)
     stops = stop_token_ids(tokenizer)
     labels, drafts = _load_drafters(a, dtype)

@@ -32,11 +32,12 @@ from dflash_core.decoding import draft_states
 from dflash_core.model import DraftCache
 from dflash_core.target import TargetAdapter
 from dflash_core.timing import cpu_model, median_seconds
+from experiments.models import resolve_dtype
 from experiments.schema import write_json_atomic
 
 
 def _load(pair: str, dtype_name: str):
-    from dflash_core.default import default_dtype, load_default_pair, stop_token_ids
+    from dflash_core.default import load_default_pair, stop_token_ids
 
     if pair == "tiny":
         from .models import random_draft, tiny_target
@@ -46,7 +47,7 @@ def _load(pair: str, dtype_name: str):
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, target.config.vocab_size, (24,), generator=g).tolist() for _ in range(2)]
         return target, draft, prompts, []
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(dtype_name) or default_dtype()
+    dtype = resolve_dtype(dtype_name, torch.device("cpu"))
     target, draft, tokenizer = load_default_pair(dtype)
     from .drafter_eval import protocol_prompts
 

@@ -13,7 +13,7 @@ depth only (every node at depth d has p_{d+1} for its children).
 Both trees go through the toolkit's real code, on the same p and q in every round:
 
 * top-K: ``ddtree.build_tree`` on the drafter's logits, walked by ``dflash_core.decoding.follow`` (sample-and-match);
-* sampled: ``ddtree.SampledTree`` (children drawn without replacement from q), verified by the tree's own
+* sampled: ``ddtree.SampledTreePolicy`` (children drawn without replacement from q), verified by the tree's own
   ``verify`` (recursive rejection sampling, ``ddtree.RecursiveRejection``).
 
 Reported: τ (committed tokens per round, bonus included) of both, their ratio, and the ratio's standard error over
@@ -30,7 +30,7 @@ from typing import Sequence
 
 import torch
 
-from ddtree import SampledTree, build_tree
+from ddtree import SampledTreePolicy, build_tree
 from dflash_core.decoding import follow
 
 
@@ -68,7 +68,7 @@ def study(vocab: int, depth: int, rounds: int, budgets: Sequence[int], noises: S
         for budget in budgets:
             generator = torch.Generator().manual_seed(seed)  # same p, q and target draws for every setting's rounds
             walk = torch.Generator().manual_seed(seed + 1)
-            policy = SampledTree(budget, temperature=1.0, seed=seed + 2)
+            policy = SampledTreePolicy(budget, temperature=1.0, seed=seed + 2)
             topk, sampled = [], []
             for _ in range(rounds):
                 log_p, draft_logits = round_distributions(vocab, depth, zipf, noise, drift, generator)

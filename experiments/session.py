@@ -237,17 +237,23 @@ class Session:
             f"in {seconds:.1f} s, before any timed generation (cached per machine)")
         return {"policies": adaptive, "contexts": contexts, "seconds": seconds}
 
-    def warm_up(self) -> dict[Variant, float]:
-        """One short untimed generation per variant (kernels, allocator, ``auto``'s cost measurement), twice; the
-        second one's decoding seconds per token, per variant, size the run (``experiments.sizing.size_run``)."""
-        ids = build_chat(self.models.tokenizer, [WARMUP_PROMPT], chat_template_kwargs=self.chat_kwargs)
+    def warm_up(self, todo: Sequence[Conversation] = ()) -> tuple[dict[Variant, float], dict[Variant, float]]:
+        """One short untimed generation per variant (kernels, allocator), twice, on the run's median-length first
+        turn (a fixed short prompt without ``todo``): the second one's decoding seconds per token and its prefill
+        seconds, per variant, size the run (``experiments.sizing.size_run``) at the context the run will see."""
+        chats = sorted((build_chat(self.models.tokenizer, c.item.turns[:1], chat_template_kwargs=self.chat_kwargs)
+                        for c in todo), key=len)
+        ids = chats[len(chats) // 2] if chats else build_chat(self.models.tokenizer, [WARMUP_PROMPT],
+                                                               chat_template_kwargs=self.chat_kwargs)
         input_ids = torch.tensor([ids], dtype=torch.long)
-        per_token = {}
+        t = max((c.temperature for c in todo), default=0.0)  # sampling accepts less: size for the slowest
+        per_token, per_call = {}, {}
         for variant in self.variants:
-            variant.generate(self.models, input_ids, self.preset.warmup_tokens, 0.0, 0)
-            result = variant.generate(self.models, input_ids, self.preset.warmup_tokens, 0.0, 0)
+            variant.generate(self.models, input_ids, self.preset.warmup_tokens, t, 0)
+            result = variant.generate(self.models, input_ids, self.preset.warmup_tokens, t, 0)
             per_token[variant] = result.timings.get("decode", 0.0) / max(1, len(result.new_token_ids) - 1)
-        return per_token
+            per_call[variant] = result.timings.get("prefill", 0.0)
+        return per_token, per_call
 
     def restrict(self, variants: list[Variant]) -> None:
         """Measure only ``variants`` in this session (a sized run)."""

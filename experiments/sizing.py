@@ -65,10 +65,11 @@ def _leave_one_out(kept: list[Unit]) -> tuple[list[Unit], str] | None:
 
 
 def size_run(units: list[Unit], per_token: dict["Variant", float], max_new_tokens: int,
-             budget_s: float) -> tuple[list[Unit], dict[str, Any]]:
+             budget_s: float, per_call: dict["Variant", float] | None = None) -> tuple[list[Unit], dict[str, Any]]:
     """Leave work out until the projected decoding time fits ``budget_s``; returns (kept units, report).
 
-    Projection: every generation runs ``max_new_tokens`` at its variant's warm-up seconds per token. The rule, in
+    Projection: every generation runs ``max_new_tokens`` at its variant's warm-up seconds per token, plus its
+    ``per_call`` seconds (the prefill of a typical prompt; default 0). The rule, in
     order, while the projection exceeds the budget:
     1. drop the last selected sample (all its turns and variants) of the dataset with the most samples left,
        down to one sample per dataset;
@@ -77,8 +78,10 @@ def size_run(units: list[Unit], per_token: dict["Variant", float], max_new_token
     3. drop datasets from the end of the run's order, down to one;
     4. run what is left, and say that it will take longer than the budget.
     """
+    per_call = per_call or {}
+
     def unit_cost(u):
-        return per_token.get(u.variant, 0.0) * max_new_tokens
+        return per_token.get(u.variant, 0.0) * max_new_tokens + per_call.get(u.variant, 0.0)
 
     def cost(us):
         return sum(map(unit_cost, us))

@@ -14,7 +14,7 @@ from conftest import make_draft, make_target, prompt
 from ddtree import build_tree, ddtree_generate
 from ddtree.build import reference_build_tree
 from ddtree.generate import FixedBudget, make_policy
-from ddtree.sampled import SampledTree
+from ddtree.sampled import SampledTreePolicy
 from dflash_core import autoregressive_generate, load_draft
 
 
@@ -102,7 +102,7 @@ def test_a_sampled_tree_over_a_row_without_finite_probabilities_says_so():
     logits = torch.randn(3, 10)
     logits[0] = float("-inf")
     with pytest.raises(ValueError, match="row 0 has no finite probabilities"):
-        SampledTree(4, temperature=1.0).propose(logits)
+        SampledTreePolicy(4, temperature=1.0).propose(logits)
 
 
 def test_numpy_integer_budgets_are_budgets():

@@ -117,10 +117,10 @@ def test_auto_with_lookup_ranks_both_sources_and_learns_from_the_drafters_nodes(
     """Under auto the merged list is sized by auto's rule; auto's memory learns from its drafter nodes only."""
     from ddtree.budget import AutoBudget
     from ddtree.cost import CostModel
-    from ddtree.lookup import LookupTree
+    from ddtree.lookup import LookupTreePolicy
 
     flat = CostModel(nodes=(0, 8, 32), verify_s=(0.01, 0.01, 0.01), fixed_s=0.001)  # verifying is free here
-    policy = LookupTree(AutoBudget(flat, cap=16))
+    policy = LookupTreePolicy(AutoBudget(flat, cap=16))
     logits = torch.full((4, 8), -4.0)
     logits[:, 3] = 4.0  # the drafter is sure of token 3 at every depth
     history = [1, 2, 5, 6, 1, 2]  # the suffix (1, 2) occurred before, followed by 5, 6, 1, 2
@@ -145,3 +145,39 @@ def _paths(tree):
         parent = int(tree.parents[i])
         out.append((out[parent] if parent >= 0 else ()) + (int(tree.token_ids[i]),))
     return out
+
+
+class FakeClock:
+    """A clock whose rounds take ``drafted_s`` with the drafter and ``alone_s`` without it (read by the policy)."""
+
+    def __init__(self, policy, drafted_s: float, alone_s: float) -> None:
+        self.policy, self.now, self.drafted_s, self.alone_s = policy, 0.0, drafted_s, alone_s
+
+    def __call__(self) -> float:
+        if self.policy._open is not None:  # the round in flight ends now: it took what its kind takes
+            self.now += self.alone_s if self.policy._open[2] else self.drafted_s
+        return self.now
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_lookup_tree_skips_the_drafter_where_the_continuation_pays_and_stays_exact(temperature):
+    from conftest import make_draft
+    from ddtree.lookup import LookupTreePolicy
+    from dflash_core import speculative_generate
+
+    target = make_target("llama", vocab=8, init=0.3)
+    draft = make_draft(target, block_size=5)
+    p = torch.tensor([[1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2]])  # a repetitive context: the lookup is reliable
+    ref = autoregressive_generate(target, p, 60, temperature=temperature, seed=3)
+    cheap = LookupTreePolicy(8)
+    cheap.clock = FakeClock(cheap, drafted_s=1.0, alone_s=0.05)  # the drafter pass costs almost the whole round
+    got = speculative_generate(target, draft, p, cheap, 60, temperature=temperature, seed=3)
+    assert got.new_token_ids == ref.new_token_ids and any(cheap.skipped) and not all(cheap.skipped)
+    dear = LookupTreePolicy(8)
+    dear.clock = FakeClock(dear, drafted_s=1.0, alone_s=5.0)  # a round without the drafter would cost more
+    again = speculative_generate(target, draft, p, dear, 60, temperature=temperature, seed=3)
+    assert again.new_token_ids == ref.new_token_ids
+    assert sum(dear.skipped) <= 1  # at most the one round priced by the prior before rounds without it were timed
+    no_clock = LookupTreePolicy(8)
+    speculative_generate(target, draft, p, no_clock, 60, temperature=temperature, seed=3)
+    assert not any(no_clock.skipped)  # without a clock every round drafts (replayable)

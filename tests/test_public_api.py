@@ -19,8 +19,8 @@ def test_the_documented_names_import_from_the_package_roots():
     import ddtree
     import dflash_core
 
-    for name in ("DraftTree", "build_tree", "ddtree_generate", "FixedBudget", "AutoBudget", "SampledTree",
-                 "LookupTree", "make_policy"):
+    for name in ("DraftTree", "build_tree", "ddtree_generate", "FixedBudget", "AutoBudget", "SampledTreePolicy",
+                 "LookupTreePolicy", "make_policy"):
         assert name in ddtree.__all__ and hasattr(ddtree, name), name
     for name in ("DFlashDraftModel", "load_draft", "load_default_pair", "autoregressive_generate", "dflash_generate",
                  "speculative_generate", "lookup_generate", "GenerationResult", "ProposalPolicy"):

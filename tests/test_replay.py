@@ -89,3 +89,38 @@ def test_loop_and_replay_report_the_same_committed_nodes_when_a_round_is_cut():
         assert live_policy.seen == replay_policy.seen
         for path, committed in zip(live_policy.seen, live.acceptance_lengths):
             assert len(path) <= committed  # never a node past the cut
+
+
+class SkipsSomeRounds:
+    """Fixed budget 6, but every round whose history length is divisible by 3 skips the drafter (and verifies no
+    draft: the bonus only), so the features of committed positions pile up between two drafted rounds."""
+
+    name, uses_draft = "skips-some", True
+
+    def wants_draft(self, history):
+        return len(history) % 3 != 0
+
+    def propose(self, draft_logits, history, token_map=None):
+        from ddtree import build_tree
+        from dflash_core.tree import DraftTree
+
+        return DraftTree.empty() if draft_logits is None else build_tree(draft_logits, 6, token_map=token_map)
+
+
+def test_rounds_without_the_drafter_carry_the_unconsumed_features_to_the_next_draft(family):
+    """Oracle: replay drafts every round from the teacher-forced features of every committed position. A loop that
+    dropped the features of a round without the drafter would draft later rounds from a wrong context and its
+    acceptance lengths would leave replay's."""
+    target = make_target(family, vocab=6, init=0.3)
+    draft = make_draft(target, block_size=5)
+    skipped_rounds = 0
+    for seed in range(3):
+        p = prompt(500 + seed, 4 + seed, 6)
+        live = ddtree_generate(target, draft, p, policy=SkipsSomeRounds(), max_new_tokens=40)
+        ref = autoregressive_generate(target, p, max_new_tokens=40).new_token_ids
+        assert live.new_token_ids == ref
+        ids = torch.cat([p[0], torch.tensor(ref)])
+        got = replay(target, draft, SkipsSomeRounds(), ids, p.shape[1], 40)
+        assert got.acceptance_lengths == live.acceptance_lengths and got.tree_sizes == live.tree_sizes
+        skipped_rounds += live.tree_sizes.count(0)
+    assert skipped_rounds >= 3 and sum(n > 1 for n in got.acceptance_lengths) >= 2

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from conftest import make_draft, make_target, prompt
-from ddtree import SampledTree, ddtree_generate
+from ddtree import SampledTreePolicy, ddtree_generate
 from ddtree.sampled import RecursiveRejection, SampledDraftTree, sample_tree
 from dflash_core import autoregressive_generate, speculative_generate
 from test_decoding import chi_square_p, exact_joint
@@ -55,7 +55,7 @@ class NoRenormalisation(RecursiveRejection):
         return rest
 
 
-class WithReplacement(SampledTree):
+class WithReplacement(SampledTreePolicy):
     """Broken: children drawn WITH replacement (a repeated token becomes another sibling) but verified by the
     without-replacement rule."""
 
@@ -241,7 +241,7 @@ def test_sampled_children_follow_the_drafter():
     """The first child of the root is a draw from q_1; later siblings are draws without replacement."""
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     q = torch.softmax(logits[0].double(), 0)
-    policy = SampledTree(2, temperature=1.0, seed=11)
+    policy = SampledTreePolicy(2, temperature=1.0, seed=11)
     firsts, seconds = torch.zeros(4), torch.zeros(4)
     n = 4000
     for _ in range(n):
@@ -317,23 +317,23 @@ def model_free_p_value(policy, target_vocab: int = 4, draft_logits=DRAFT_LOGITS,
 
 
 def test_sampled_tree_joint_equals_plain_sampling_model_free():
-    assert model_free_p_value(SampledTree(6, temperature=1.0, seed=1)) > 1e-3
+    assert model_free_p_value(SampledTreePolicy(6, temperature=1.0, seed=1)) > 1e-3
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.7])
 def test_sampled_tree_is_exact_away_from_temperature_one(temperature):
     """At T != 1 the tree is drawn from the drafter at T and verified against softmax(logits / T); a rule that drops
     the division by T (verifies as if T were 1) samples softmax(T log p) instead and is caught."""
-    policy = SampledTree(6, temperature=temperature, seed=1)
+    policy = SampledTreePolicy(6, temperature=temperature, seed=1)
     assert model_free_p_value(policy, temperature=temperature, n=2000) > 1e-3
-    broken = SampledTree(6, temperature=temperature, seed=1)
+    broken = SampledTreePolicy(6, temperature=temperature, seed=1)
     assert model_free_p_value(broken, temperature=temperature, verify_temperature=1.0, n=2000) < 1e-6
 
 
 @pytest.mark.parametrize("policy", [
-    SampledTree(6, temperature=1.0, seed=1, rule=NoResidual()),
-    SampledTree(6, temperature=1.0, seed=1, rule=Unclipped()),
-    SampledTree(6, temperature=1.0, seed=1, rule=NoRenormalisation()),
+    SampledTreePolicy(6, temperature=1.0, seed=1, rule=NoResidual()),
+    SampledTreePolicy(6, temperature=1.0, seed=1, rule=Unclipped()),
+    SampledTreePolicy(6, temperature=1.0, seed=1, rule=NoRenormalisation()),
     WithReplacement(6, temperature=1.0, seed=1),
 ], ids=["no-residual", "unclipped", "no-renormalisation", "with-replacement"])
 def test_broken_rules_are_detected_model_free(policy):
@@ -345,7 +345,7 @@ def test_draft_vocabulary_subset():
     are zero outside the subset, and verification is still exact (tokens 1, 2, 4 come from the residual)."""
     d2t = torch.tensor([5, 0, 3])
     draft_logits = torch.tensor([[1.5, 0.0, -0.5], [0.0, 1.0, 0.5]])  # [depth, V'] over draft indices
-    tree = SampledTree(5, temperature=1.0, seed=3, token_map=d2t).propose(draft_logits)
+    tree = SampledTreePolicy(5, temperature=1.0, seed=3, token_map=d2t).propose(draft_logits)
     assert set(tree.token_ids.tolist()) <= {0, 3, 5}
     q = tree.proposal(-1, 6)
     assert q[[1, 2, 4]].abs().sum() == 0
@@ -355,7 +355,7 @@ def test_draft_vocabulary_subset():
         got = committed_distribution(RecursiveRejection(), p, q, draws_without_replacement(q, k))
         assert float((got - p).abs().max()) < 1e-12
 
-    class SubsetDrafter(SampledTree):  # the loop would hand it logits over the draft vocabulary only
+    class SubsetDrafter(SampledTreePolicy):  # the loop would hand it logits over the draft vocabulary only
         def propose(self, draft_logits, history=None):
             return super().propose(draft_logits[:, self.token_map], history)
 
@@ -365,7 +365,7 @@ def test_draft_vocabulary_subset():
                               draft_logits=full_logits, n=1500) > 1e-3
     # the same drafter as the loop may hand it over: target-wide logits, -inf outside the draft vocabulary
     full_logits[:, [1, 2]] = -torch.inf
-    assert model_free_p_value(SampledTree(6, 1.0, seed=2), target_vocab=5, draft_logits=full_logits, n=1500) > 1e-3
+    assert model_free_p_value(SampledTreePolicy(6, 1.0, seed=2), target_vocab=5, draft_logits=full_logits, n=1500) > 1e-3
 
 
 # ---------------------------------------------------------------------------------------------- 3. the decode loop
@@ -390,7 +390,7 @@ def loop_p_value(target, draft, p, make_policy) -> float:
 
 def test_broken_rule_is_detected_through_the_loop(tiny_pair):
     target, draft, p = tiny_pair
-    assert loop_p_value(target, draft, p, lambda seed: SampledTree(6, 1.0, seed=seed, rule=NoResidual())) < 1e-6
+    assert loop_p_value(target, draft, p, lambda seed: SampledTreePolicy(6, 1.0, seed=seed, rule=NoResidual())) < 1e-6
 
 
 def test_ddtree_generate_sampled_matches_plain_sampling(tiny_pair):
@@ -417,7 +417,7 @@ def test_sampled_tree_at_t0_is_the_greedy_walk():
         assert ddtree_generate(target, draft, p, budget=8, max_new_tokens=30, seed=seed, tree="sampled",
                                temperature=0.0).new_token_ids == ref
         # a sampled tree verified at T = 0 falls back to the greedy walk as well
-        out = speculative_generate(target, draft, p, SampledTree(8, temperature=1.0, seed=seed), max_new_tokens=30,
+        out = speculative_generate(target, draft, p, SampledTreePolicy(8, temperature=1.0, seed=seed), max_new_tokens=30,
                                    temperature=0.0, trace=True)
         assert out.new_token_ids == ref and isinstance(out.trees[0], SampledDraftTree)
 

@@ -23,7 +23,7 @@ MLP's four Q*I tensors. For the ``qwen3`` preset on Qwen3-8B (A=512, b=16, T=C=3
 I=12288, L=5, t=5, V=151936, P=1.05e9) that is about 33 GB resident + 12.9 GB layers + 2.7 GB around + 18.7 GB loss
 = 67 GB: it fits one 141 GB H200, and the full-vocabulary loss, not attention, is the largest single term
 (``loss_vocab="batch"`` divides it by V / V'). Measured on a CPU at 1/32 of the width and 1/8 of the length
-(``--measure``), one sequence's forward and backward came within 6-14% of the formula (tests/test_gpu_readiness.py).
+(``--measure``), one sequence's forward and backward came within 6-14% of the formula (tests/test_training_devices.py).
 Not measured on a GPU: the CUDA kernels' workspaces are not in the formula.
 """
 

@@ -1,0 +1,49 @@
+"""Attention backends that cannot take a 4D tree mask: tree verification refuses them, the chain stays exact."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import make_draft, make_target, prompt
+from dflash_core import IncompatibleModelError, autoregressive_generate, dflash_generate
+from dflash_core.target import TargetAdapter
+
+
+def _flash_like_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Like flash-attention: causal attention aligned at the bottom right, whatever mask is passed (ignored)."""
+    q_len, k_len = query.shape[2], key.shape[2]
+    causal = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=causal, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@pytest.fixture
+def flash_like_target():
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("test_flash_like", _flash_like_attention)
+    target = make_target("qwen3", vocab=64, dtype=torch.float64)
+    target.config._attn_implementation = "test_flash_like"
+    return target
+
+
+def test_tree_verification_refuses_a_backend_without_4d_masks(flash_like_target):
+    from ddtree import ddtree_generate
+
+    target = flash_like_target
+    draft = make_draft(target, block_size=4)
+    p = prompt(3, 8, 64)
+    with pytest.raises(IncompatibleModelError, match="attn_implementation='sdpa'"):
+        ddtree_generate(target, draft, p, budget=4, max_new_tokens=8)
+    adapter = TargetAdapter(target)
+    cache = adapter.new_cache()
+    adapter.forward(p[0], torch.arange(8), cache, with_features=False)
+    with pytest.raises(IncompatibleModelError, match="4D attention mask"):
+        adapter.forward(torch.tensor([1, 2]), torch.tensor([8, 9]), cache,
+                        visibility=torch.ones(2, 2, dtype=torch.bool), with_features=False)
+    # the chain needs no mask: DFlash is exact on this backend too, and equals SDPA's output
+    ar = autoregressive_generate(target, p, max_new_tokens=16).new_token_ids
+    assert dflash_generate(target, draft, p, max_new_tokens=16).new_token_ids == ar
+    assert ddtree_generate(target, draft, p, budget="chain", max_new_tokens=16).new_token_ids == ar
+    target.config._attn_implementation = "sdpa"
+    assert autoregressive_generate(target, p, max_new_tokens=16).new_token_ids == ar

@@ -1,0 +1,86 @@
+"""The budget cost model: whole rounds timed at the caller's context, auto's context buckets, GPU profiles."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import make_draft, make_target, prompt
+from dflash_core.target import TargetAdapter
+
+
+def test_cost_model_times_whole_rounds_at_the_callers_context(monkeypatch, tmp_path):
+    import ddtree.budget as budget
+    import dflash_core.decoding as decoding
+
+    monkeypatch.setenv("DDTREE_CACHE", str(tmp_path))
+    seen = {"build": [], "walk": 0, "compact": [], "prefill": []}
+    real_build, real_walk = budget.build_tree, decoding.verify_walk
+    real_compact, real_forward = TargetAdapter.compact, TargetAdapter.forward
+
+    def build(logits, n, token_map=None):
+        seen["build"].append(n)
+        return real_build(logits, n, token_map=token_map)
+
+    def walk(*args, **kwargs):
+        seen["walk"] += 1
+        return real_walk(*args, **kwargs)
+
+    def compact(self, cache, start, keep):
+        seen["compact"].append(keep.tolist())
+        return real_compact(self, cache, start, keep)
+
+    def forward(self, token_ids, position_ids, cache, *args, **kwargs):
+        if self.cache_length(cache) == 0:
+            seen["prefill"].append(len(token_ids))
+        return real_forward(self, token_ids, position_ids, cache, *args, **kwargs)
+
+    monkeypatch.setattr(budget, "build_tree", build)
+    monkeypatch.setattr(decoding, "verify_walk", walk)
+    monkeypatch.setattr(TargetAdapter, "compact", compact)
+    monkeypatch.setattr(TargetAdapter, "forward", forward)
+    target = make_target("qwen3", vocab=64, dtype=torch.float32)
+    draft = make_draft(target, block_size=5)
+    cost = budget.measure_cost_model(target, draft, grid=(0, 2, 8), context=48, repeats=1, cap=24)
+    assert cost.context == 48 and set(seen["prefill"]) == {48}
+    assert seen["build"] and set(seen["build"]) == {24}  # trees are built at the cap, as the policy builds them
+    assert seen["walk"] >= 3 * 2  # warm-up + one timed run per size: the walk is inside the timed round
+    assert any(keep != list(range(len(keep))) for keep in seen["compact"])  # a real gather, not a crop
+    assert budget.measure_cost_model(target, draft, grid=(0, 2, 8), context=48, cap=24) == cost  # cached
+    assert budget.measure_cost_model(target, draft, grid=(0, 2, 8), context=96, repeats=1, cap=24).context == 96
+
+
+def test_auto_measures_at_the_prompt_length(monkeypatch):
+    import ddtree.budget as budget
+    from ddtree import ddtree_generate
+
+    contexts = []
+
+    def fake(target, draft, context=256, cap=None, **kwargs):
+        contexts.append(context)
+        return budget.CostModel((0, 8), (0.01, 0.02), 0.001, context=context)
+
+    monkeypatch.setattr(budget, "measure_cost_model", fake)
+    target = make_target("llama", vocab=64)
+    draft = make_draft(target, block_size=4)
+    ddtree_generate(target, draft, prompt(1, 100, 64), budget="auto", max_new_tokens=4)
+    ddtree_generate(target, draft, prompt(1, 20, 64), budget="auto", max_new_tokens=4)
+    assert contexts == [128, 64] and budget.context_bucket(4097) == 8192
+
+
+def test_auto_reads_a_gpu_profile(tmp_path):
+    from ddtree.budget import AutoBudget
+    from ddtree.cost import CostModel
+
+    curves = [{"nodes": [0, 1, 3], "verify_s": [0.01, 0.011, 0.012], "fixed_s": 0.002, "key": "k", "context": c}
+              for c in (512, 4096)]
+    path = tmp_path / "h200.json"
+    path.write_text(json.dumps({"models": {"qwen3-8b": {"cost_models": curves}}}))
+    assert CostModel.from_profile(path, context=3000).context == 4096
+    assert CostModel.from_profile(path, context=600).context == 512
+    assert CostModel.from_profile(path).context == 4096
+    target = make_target("llama", vocab=64)
+    policy = AutoBudget.for_models(target, make_draft(target), profile=path, context=700)
+    assert policy.cost.context == 512 and policy.cap == 128
+    with pytest.raises(ValueError, match="not in the profile"):
+        CostModel.from_profile(path, model="qwen3-4b")
