@@ -81,7 +81,9 @@ class NgramIndex:
 class PromptLookup:
     """Proposal policy: the continuation of the longest earlier match of the context's suffix (see the module).
 
-    The index follows the history the loop hands over (:meth:`NgramIndex.follow`).
+    The index follows the history the loop hands over (:meth:`NgramIndex.follow`). ``lookup_committed``: per round,
+    how many committed tokens came from the continuation (the accepted nodes the loop reports as committed: a round
+    cut by a stop token or by ``max_new_tokens`` inside the continuation commits only lookup tokens, no bonus).
     """
 
     uses_draft = False
@@ -92,11 +94,16 @@ class PromptLookup:
         self.max_ngram, self.num_tokens = max_ngram, num_tokens
         self.name = f"lookup-{max_ngram}x{num_tokens}"
         self.index = NgramIndex(max_ngram, occurrence)
+        self.lookup_committed: list[int] = []
 
     def propose(self, draft_logits, history: list[int]) -> DraftTree:
         self.index.follow(history)
         _, tokens = self.index.continuation(self.num_tokens)
         return DraftTree.chain(torch.tensor(tokens, dtype=torch.long))  # no draft probabilities: unknown (NaN)
+
+    def observe(self, accepted: int, path: list[int]) -> None:
+        """The round's accepted nodes that were committed: every one of them is a lookup token."""
+        self.lookup_committed.append(len(path))
 
 
 def lookup_generate(target, input_ids: torch.Tensor, max_new_tokens: int = 128, temperature: float = 0.0,
@@ -109,5 +116,5 @@ def lookup_generate(target, input_ids: torch.Tensor, max_new_tokens: int = 128, 
     """
     policy = PromptLookup(max_ngram, num_tokens, occurrence)
     result = speculative_generate(target, None, input_ids, policy, max_new_tokens, temperature, stop_token_ids, seed)
-    result.lookup_tokens = [n - 1 for n in result.acceptance_lengths]  # every accepted draft token is a lookup one
+    result.lookup_tokens = policy.lookup_committed  # every committed draft token is a lookup one
     return result
