@@ -255,3 +255,32 @@ def test_stream_train_resumes_and_logs_tau(tmp_path):
                          tokens=3000)
     assert again.step == state.step and again.tokens == state.tokens
     assert len(losses) == state.step and losses == [h["loss"] for h in again.history if "loss" in h]
+
+
+def _with_bad_lengths(n: int = 24) -> list:
+    """Good generated sequences (prompt 10, response 20) and three the stream cannot train on at max_len 120: a
+    1-token response, a prompt of max_len - 1 tokens (one response token left), a prompt longer than max_len."""
+    g = torch.Generator().manual_seed(5)
+    good = [(f"g{i}", torch.randint(3, VOCAB, (30,), generator=g), 10) for i in range(n)]
+    bad = [("short", torch.randint(3, VOCAB, (11,), generator=g), 10),
+           ("long-prompt", torch.randint(3, VOCAB, (130,), generator=g), 119),
+           ("over-prompt", torch.randint(3, VOCAB, (140,), generator=g), 130)]
+    return good[:5] + bad[:1] + good[5:12] + bad[1:] + good[12:]
+
+
+def test_stream_leaves_out_generated_sequences_without_two_response_tokens_within_max_len(tmp_path):
+    """As the epoch trainer does: a generated sequence needs min(len, max_len) - prompt >= 2 (an anchor and a label)."""
+    s = _stream(tmp_path, {"generated": 1.0}, generated=_with_bad_lengths())
+    drawn = [q for _ in range(12) for q in s.next_step()]
+    assert len(drawn) == 48  # two epochs of the 24 good ones
+    assert all(q.key.split("@")[0].startswith("g") for q in drawn)
+    assert all(q.response_tokens >= 2 and len(q.ids) <= 120 for q in drawn)
+    assert s.stats["generated_too_short"] == 3
+
+
+def test_stream_train_runs_on_generated_data_with_bad_lengths(tmp_path):
+    target, draft = _pair()
+    cfg = TrainConfig(anchors=4, seqs_per_step=4, lr=1e-3, warmup_frac=0.0, loss_vocab="draft", autocast=False)
+    stream = _stream(tmp_path, {"generated": 1.0}, generated=_with_bad_lengths())
+    state = stream_train(target, draft, stream, cfg, tmp_path / "run", lambda m: None, None, tokens=600)
+    assert state.tokens >= 600 and state.by_kind == {"generated": state.tokens}

@@ -68,7 +68,9 @@ class StreamSequence:
 class SequenceStream:
     """Sequences in a seeded mix of sources, grouped into steps of similar length.
 
-    ``generated``: [(key, ids [T], prompt length)] (the on-policy data; drawn in a seeded order, epoch after epoch);
+    ``generated``: [(key, ids [T], prompt length)] (the on-policy data; drawn in a seeded order, epoch after epoch;
+    as in the epoch trainer, a sequence with fewer than 2 response tokens within ``max_len`` -- no anchor with a label
+    after it -- is left out and counted in ``stats["generated_too_short"]``);
     ``end_ids``: the token(s) that end an assistant turn, appended to every corpus answer;
     the corpus kinds are read lazily through :func:`.textcorpus.iter_items` from the cursor's file positions. Each
     window of ``window_steps`` steps is drawn first, sorted by length and cut into steps (less padding in the batched
@@ -86,9 +88,12 @@ class SequenceStream:
         self.tokenizer, self.cursor, self.seed = tokenizer, cursor, seed
         self.mix = {k: v for k, v in mix.items() if v > 0}
         self.seqs_per_step, self.max_len, self.window_steps = seqs_per_step, max_len, window_steps
-        self.generated = list(generated)
+        self.generated = [g for g in generated if min(len(g[1]), max_len) - g[2] >= 2]
         self.sources, self.banned = sources, banned
-        self.stats: dict = {"dropped": 0}
+        self.stats: dict = {"dropped": 0, "generated_too_short": len(generated) - len(self.generated)}
+        if mix.get("generated", 0) > 0 and not self.generated:
+            raise ValueError(f"none of the {len(generated)} generated sequences has 2 response tokens within max_len "
+                             f"{max_len}: raise max_len or regenerate the data with shorter prompts")
         self._iters: dict[str, Iterator] = {}
         self._end = list(end_ids)  # appended to every corpus answer: the end of an assistant turn
         self._pending: list[list[StreamSequence]] = []
