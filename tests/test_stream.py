@@ -284,3 +284,22 @@ def test_stream_train_runs_on_generated_data_with_bad_lengths(tmp_path):
     stream = _stream(tmp_path, {"generated": 1.0}, generated=_with_bad_lengths())
     state = stream_train(target, draft, stream, cfg, tmp_path / "run", lambda m: None, None, tokens=600)
     assert state.tokens >= 600 and state.by_kind == {"generated": state.tokens}
+
+
+def test_generated_cursor_stays_valid_when_shards_are_added(tmp_path):
+    """A cursor carried over to a larger generated set (new shards, listed between the old ones) continues the epoch:
+    no old sequence is drawn twice in it, none is skipped, and the added ones join it."""
+    g = torch.Generator().manual_seed(7)
+    old = [(f"a{i}", torch.randint(3, VOCAB, (25,), generator=g), 8) for i in range(60)]
+    new = [(f"b{i}", torch.randint(3, VOCAB, (25,), generator=g), 8) for i in range(30)]
+    grown = [x for pair in zip(old[:30], new) for x in pair] + old[30:]  # new shards sort between the old ones
+    s = _stream(tmp_path, {"generated": 1.0}, generated=old)
+    first = [q.key for _ in range(8) for q in s.next_step()]  # two whole windows: 32 of the 60
+    resumed = _stream(tmp_path, {"generated": 1.0}, cursor=Cursor(**vars(s.cursor)), generated=grown)
+    later = [q.key for _ in range(40) for q in resumed.next_step()]
+    epoch0 = [k[: -len("@e0")] for k in first + later if k.endswith("@e0")]
+    olds = [k for k in epoch0 if k.startswith("a")]
+    assert sorted(olds) == sorted(k for k, _, _ in old)  # every old sequence exactly once in the epoch
+    assert len(set(epoch0)) == len(epoch0) and any(k.startswith("b") for k in epoch0)
+    epoch1 = [k[: -len("@e1")] for k in later if k.endswith("@e1")]
+    assert sorted(epoch1) == sorted(k for k, _, _ in grown)  # the next epoch: all 90 once (160 draws reach it)

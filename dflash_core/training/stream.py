@@ -22,8 +22,11 @@ shortens its schedule.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import hashlib
 import json
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -41,16 +44,24 @@ from .loss import SequenceFeatures
 __all__ = ["Cursor", "StreamSequence", "SequenceStream", "teacher_forced_batch", "StreamState", "stream_train"]
 
 KINDS = ("generated", "code", "math", "docs")
+_RANKS = 16 ** 15  # ranks of generated sequences in an epoch's order: 60-bit hashes
 
 
 @dataclass
 class Cursor:
     """Where a stream stands: per corpus kind the next item ([file position, item index in that file]; a bare file
-    position means its first item), generated sequences drawn, sequences drawn in all."""
+    position means its first item), generated sequences drawn, sequences drawn in all.
+
+    ``generated_at``: the place of the last generated sequence drawn, [epoch, rank, key] in the epoch's order (see
+    :meth:`SequenceStream.generated_order`); None: the start of epoch 0, or, for a cursor written before it existed,
+    the share ``generated`` mod n of that epoch. The place names a sequence, not an offset into n sequences, so a
+    cursor stays valid when shards are added: no sequence is drawn twice or skipped in the epoch, and an added one
+    joins the epoch when its rank lies ahead (else it is first drawn in the next epoch)."""
 
     files: dict[str, list[int] | int] = field(default_factory=dict)
     generated: int = 0
     slots: int = 0  # sequences drawn in all (the mixing draw is keyed by it)
+    generated_at: list | None = None
 
 
 @dataclass
@@ -97,6 +108,7 @@ class SequenceStream:
         self._iters: dict[str, Iterator] = {}
         self._end = list(end_ids)  # appended to every corpus answer: the end of an assistant turn
         self._pending: list[list[StreamSequence]] = []
+        self._order: tuple[int, list] | None = None  # (epoch, its order of the generated sequences)
 
     def _corpus_next(self, kind: str) -> StreamSequence | None:
         from ..data import build_chat
@@ -117,13 +129,39 @@ class SequenceStream:
             if len(ids) - len(prompt) >= 16:
                 return StreamSequence(item.item_id, kind, torch.tensor(ids), len(prompt))
 
+    def generated_order(self, epoch: int) -> list[tuple[int, str, int]]:
+        """Epoch ``epoch``'s order of the generated sequences: sorted [(rank, name, index)], the rank a seeded hash
+        of the sequence's key (a repeated key is named ``key~2``, ``key~3``, ...), so that it does not depend on
+        how many sequences there are."""
+        if self._order is None or self._order[0] != epoch:
+            seen: dict[str, int] = {}
+            ranked = []
+            for i, (key, _, _) in enumerate(self.generated):
+                seen[key] = seen.get(key, 0) + 1
+                name = key if seen[key] == 1 else f"{key}~{seen[key]}"
+                digest = hashlib.sha256(f"stream-generated:{self.seed}:{epoch}:{name}".encode()).hexdigest()
+                ranked.append((int(digest[:15], 16), name, i))
+            self._order = (epoch, sorted(ranked))
+        return self._order[1]
+
+    def _generated_place(self) -> tuple[int, tuple]:
+        """(epoch, the place in its order after which the next generated sequence comes)."""
+        at = self.cursor.generated_at
+        if at is not None:
+            return int(at[0]), (int(at[1]), str(at[2]), math.inf)
+        epoch, offset = divmod(self.cursor.generated, len(self.generated))  # a cursor from before: a share of it
+        return epoch, (offset * _RANKS // len(self.generated) - 1, "", math.inf)
+
     def _generated_next(self) -> StreamSequence:
-        n = len(self.generated)
-        epoch, offset = divmod(self.cursor.generated, n)
-        order = list(range(n))
-        random.Random(f"stream-generated:{self.seed}:{epoch}").shuffle(order)
-        key, ids, p = self.generated[order[offset]]
+        epoch, after = self._generated_place()
+        order = self.generated_order(epoch)
+        j = bisect.bisect_right(order, after)
+        if j == len(order):  # the epoch is done
+            epoch, order, j = epoch + 1, self.generated_order(epoch + 1), 0
+        rank, name, i = order[j]
+        key, ids, p = self.generated[i]
         self.cursor.generated += 1
+        self.cursor.generated_at = [epoch, rank, name]
         return StreamSequence(f"{key}@e{epoch}", "generated", ids[: self.max_len], p)
 
     def _draw(self) -> StreamSequence | None:
