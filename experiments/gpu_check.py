@@ -1,7 +1,7 @@
 """GPU check: does tree verification hold up on CUDA at real model sizes, and what does it cost there?
 
     python -m experiments.gpu_check --out experiments/profiles/h200.json          # CUDA, bf16, at most ~8 min
-    python -m experiments.gpu_check --allow-cpu --tiny --out /tmp/profile.json    # the code path on a tiny model
+    python -m experiments.gpu_check --device cpu --tiny --out /tmp/profile.json   # the code path on a tiny model
 
 Run it from the repository root with the GPU image's own python: nothing needs installing when that python has
 torch (2.5 or newer, CUDA build), transformers (5.17 or newer, < 6) and numpy; the repository's packages are imported
@@ -49,6 +49,7 @@ from typing import Any, Callable
 import torch
 
 from ddtree.cost import measure_cost_model
+from dflash_core.tree import DraftTree
 from dflash_core.timing import median_seconds
 
 __all__ = ["QWEN3_4B", "QWEN3_8B", "TINY", "MODELS", "CheckConfig", "run_checks", "main"]
@@ -85,7 +86,7 @@ class CheckConfig:
     time_limit_s: float = 450.0  # skip what is left after this (the whole check must fit 8 minutes)
 
 
-TINY_CHECK = CheckConfig(models=(("tiny", TINY),), dtype=torch.float32, fp32_lossless_model=None, context=64,
+TINY_CHECK = CheckConfig(models=(("tiny", TINY),), dtype=torch.float32, fp32_lossless_model="tiny", context=64,
                          contexts=(64, 128),
                          nodes=(1, 2, 4, 8, 16, 32, 64), repeats=3, warmups=1, oracle_budget=24, lossless_prompts=2,
                          lossless_prompt_len=16, lossless_tokens=12, lossless_budgets=("chain", 8),
@@ -165,26 +166,102 @@ def oracle_check(target, layer_ids, config: CheckConfig, device: torch.device) -
             "argmax_agreement": agree / len(diffs), "logit_scale": float(tree_logits.std())}
 
 
+class OraclePolicy:
+    """A tree that holds the target's true greedy continuation on a NON-first branch, so rounds really accept tokens.
+
+    ``reference`` is plain decoding's output for the prompt. Each round, at every depth, ``width - 1`` decoy tokens
+    come first and the spine node last; the spine carries the reference's next tokens down to a depth that cycles
+    from round to round (then a wrong token), so acceptance lengths vary and the accepted nodes are never a prefix of
+    the node list: the target cache is compacted to a scattered path, features of several accepted tokens are
+    gathered, and the drafter (``uses_draft``) keeps its cache over rounds. Its logits are not read. Whatever the
+    tree, the loop verifies it, so the output must still equal ``reference``; a mismatch is a bug (or, in bf16, a
+    near-tie of the target).
+    """
+
+    name, uses_draft = "oracle", True
+
+    def __init__(self, reference: list[int], prompt_len: int, budget: int | str, max_depth: int, vocab: int):
+        self.reference, self.prompt_len, self.vocab, self.rounds = list(reference), prompt_len, vocab, 0
+        if budget == "chain":
+            self.depth, self.width = max_depth, 1
+        else:
+            self.depth = max(1, min(max_depth, int(budget) // 2))
+            self.width = max(1, int(budget) // self.depth)
+
+    def _true(self, k: int) -> int:
+        return self.reference[k] if k < len(self.reference) else 0
+
+    def propose(self, draft_logits, history: list[int], token_map=None) -> DraftTree:
+        done = len(history) - self.prompt_len  # tokens committed so far (the root included)
+        reach = 1 + (self.rounds * 5) % self.depth  # the spine follows the reference down to this depth
+        self.rounds += 1
+        tokens, parents, depths, spine = [], [], [], -1
+        for d in range(1, self.depth + 1):
+            true = self._true(done + d - 1)
+            head = true if d <= reach else (true + 1) % self.vocab
+            decoys = [t for t in range(true + 2, true + 2 + self.width + 1) if t % self.vocab not in (true, head)]
+            for t in decoys[: self.width - 1]:
+                tokens.append(t % self.vocab), parents.append(spine), depths.append(d)
+            tokens.append(head), parents.append(spine), depths.append(d)
+            spine = len(tokens) - 1
+        n = len(tokens)
+        return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths),
+                         -0.01 * torch.arange(1, n + 1, dtype=torch.float64))
+
+
+def _first_difference(ref: list[int], got: list[int]) -> int | None:
+    return next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None if len(ref) == len(got) else
+                min(len(ref), len(got)))
+
+
 @torch.inference_mode()
-def lossless_check(target, draft, config: CheckConfig) -> dict[str, Any]:
-    """Greedy DDTree / DFlash outputs vs plain decoding on random prompts (exact token match)."""
+def top2_margin(target, prompt: torch.Tensor, ref: list[int], k: int) -> float:
+    """Plain decoding's top-2 logit margin at new token ``k``: small means a near-tie (bf16 may round it over)."""
+    ids = torch.cat([prompt[0], torch.tensor(ref[:k], dtype=torch.long, device=prompt.device)])[None]
+    top = target(ids).logits[0, -1].float().topk(2).values
+    return float(top[0] - top[1])
+
+
+@torch.inference_mode()
+def exactness_check(target, draft, config: CheckConfig, oracle: bool = True) -> dict[str, Any]:
+    """Greedy DDTree / DFlash outputs vs plain decoding on random prompts (exact token match), with the drafter's
+    own trees and (``oracle``) with :class:`OraclePolicy` trees that really accept tokens."""
     from ddtree import ddtree_generate
     from dflash_core import autoregressive_generate
 
+    device = target.lm_head.weight.device
     vocab = int(target.lm_head.weight.shape[0])
-    runs, matched = [], 0
+    runs = []
     for p in range(config.lossless_prompts):
-        prompt = torch.randint(0, vocab, (1, config.lossless_prompt_len), generator=torch.Generator().manual_seed(p))
+        gen = torch.Generator().manual_seed(p)
+        prompt = torch.randint(0, vocab, (1, config.lossless_prompt_len), generator=gen).to(device)
         ref = autoregressive_generate(target, prompt, max_new_tokens=config.lossless_tokens).new_token_ids
         for budget in config.lossless_budgets:
-            res = ddtree_generate(target, draft, prompt, budget=budget, max_new_tokens=config.lossless_tokens)
-            same = res.new_token_ids == ref
-            first = next((i for i, (a, b) in enumerate(zip(ref, res.new_token_ids)) if a != b), None)
-            matched += same
-            runs.append({"prompt": p, "budget": budget, "match": same, "first_mismatch": first,
-                         "tau": round(res.tau, 3), "tokens": len(res.new_token_ids)})
+            kinds = ("drafter", "oracle") if oracle else ("drafter",)
+            for kind in kinds:
+                if kind == "oracle":
+                    policy = OraclePolicy(ref, prompt.shape[1], budget, draft.block_size - 1, vocab)
+                    res = ddtree_generate(target, draft, prompt, policy=policy, max_new_tokens=config.lossless_tokens,
+                                          check_trees=True)
+                else:
+                    res = ddtree_generate(target, draft, prompt, budget=budget, max_new_tokens=config.lossless_tokens)
+                first = _first_difference(ref, res.new_token_ids)
+                run = {"prompt": p, "budget": budget, "policy": kind, "match": first is None, "first_mismatch": first,
+                       "tau": round(res.tau, 3), "mean_nodes": round(sum(res.tree_sizes) / max(1, len(res.tree_sizes)),
+                                                                     1), "tokens": len(res.new_token_ids)}
+                if first is not None and first < len(ref):
+                    run["plain_top2_margin"] = top2_margin(target, prompt, ref, first)
+                runs.append(run)
+    matched = sum(r["match"] for r in runs)
+    accepted = [r["tau"] for r in runs if r["policy"] == "oracle"]
     return {"dtype": str(next(target.parameters()).dtype).removeprefix("torch."), "prompts": config.lossless_prompts,
-            "max_new_tokens": config.lossless_tokens, "exact_match": matched, "runs_total": len(runs), "runs": runs}
+            "max_new_tokens": config.lossless_tokens, "exact_match": matched, "runs_total": len(runs),
+            "oracle_mean_tau": round(sum(accepted) / len(accepted), 3) if accepted else None, "runs": runs}
+
+
+def lossless_check(target, draft, config: CheckConfig) -> dict[str, Any]:
+    """:func:`exactness_check` with the drafter's trees and the oracle's (kept under its old name for profiles)."""
+    return exactness_check(target, draft, config)
 
 
 @torch.inference_mode()
@@ -271,8 +348,53 @@ def round_costs(target, draft, config: CheckConfig) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------------- the run
-def run_checks(config: CheckConfig, device: torch.device) -> dict[str, Any]:
-    """Every check for every model; steps that would start after ``time_limit_s`` are reported as skipped."""
+def _model_checks(results: dict[str, Any], name: str, shape: dict, config: CheckConfig, device: torch.device,
+                  step) -> None:
+    """Every check of one model, into ``results``; the model builds are steps too (a failed build costs only what
+    needs it)."""
+    models: dict[str, Any] = {}
+
+    def build(dtype: torch.dtype) -> dict[str, Any]:
+        models.clear()  # the previous dtype's pair first: one pair in memory at a time
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        models["target"] = build_target(shape, dtype, device)
+        models["draft"] = build_draft(models["target"], config)
+        return {"dtype": str(dtype).removeprefix("torch."),
+                "target_params": sum(p.numel() for p in models["target"].parameters())}
+
+    log(f"{name}: building a random target and drafter ({config.dtype})")
+    step(results, "build", lambda: build(config.dtype))
+    if models:
+        target, draft = models["target"], models["draft"]
+        layer_ids = draft.config.target_layer_ids
+        results["target_params"] = results["build"].get("target_params")
+        step(results, "oracle", lambda: oracle_check(target, layer_ids, config, device))
+        step(results, "lossless", lambda: lossless_check(target, draft, config))
+        for i, ctx in enumerate(config.contexts):
+            step(results, "verify_cost" if i == 0 else f"verify_cost_{ctx}",
+                 lambda ctx=ctx: verify_curve(target, layer_ids, config, device, ctx))
+        step(results, "draft_cost", lambda: draft_cost(target, draft, config, device))
+        step(results, "round_cost", lambda: round_costs(target, draft, config))
+        if results["round_cost"].get("cost_models"):
+            results["cost_models"] = results["round_cost"]["cost_models"]
+            results["cost_model"] = results["cost_models"][0]
+        del target, draft
+    if config.fp32_lossless_model == name:
+        log(f"{name}: losslessness again in fp32 (tells numeric near-ties in bf16 from real bugs)")
+        step(results, "build_fp32", lambda: build(torch.float32))
+        if models:
+            step(results, "lossless_fp32", lambda: lossless_check(models["target"], models["draft"], config))
+    models.clear()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_checks(config: CheckConfig, device: torch.device,
+               save: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Every check for every model; steps that would start after ``time_limit_s`` are reported as skipped.
+    ``save(profile)`` is called after every step with the profile so far (the CLI writes it: a run cut short
+    keeps what it measured)."""
     t_start = time.perf_counter()
     profile: dict[str, Any] = {"models": {}}
 
@@ -289,34 +411,12 @@ def run_checks(config: CheckConfig, device: torch.device) -> dict[str, Any]:
             log(f"  {name}: FAILED: {type(err).__name__}: {err}")
         results[name]["seconds"] = round(time.perf_counter() - t0, 2)
         log(f"  {name}: {time.perf_counter() - t0:.1f} s")
+        if save is not None:
+            save({**profile, "wall_s": round(time.perf_counter() - t_start, 1)})
 
     for name, shape in config.models:
-        log(f"{name}: building a random target and drafter ({config.dtype})")
-        results: dict[str, Any] = {"config": shape}
-        target = build_target(shape, config.dtype, device)
-        draft = build_draft(target, config)
-        layer_ids = draft.config.target_layer_ids
-        results["target_params"] = sum(p.numel() for p in target.parameters())
-        step(results, "oracle", lambda: oracle_check(target, layer_ids, config, device))
-        step(results, "lossless", lambda: lossless_check(target, draft, config))
-        step(results, "verify_cost", lambda: verify_curve(target, layer_ids, config, device, config.contexts[0]))
-        for ctx in config.contexts[1:]:
-            step(results, f"verify_cost_{ctx}", lambda ctx=ctx: verify_curve(target, layer_ids, config, device, ctx))
-        step(results, "draft_cost", lambda: draft_cost(target, draft, config, device))
-        step(results, "round_cost", lambda: round_costs(target, draft, config))
-        if results["round_cost"].get("cost_models"):
-            results["cost_models"] = results["round_cost"]["cost_models"]
-            results["cost_model"] = results["cost_models"][0]
-        del target, draft
-        if config.fp32_lossless_model == name:
-            log(f"{name}: losslessness again in fp32 (tells numeric near-ties in bf16 from real bugs)")
-            target = build_target(shape, torch.float32, device)
-            draft = build_draft(target, config)
-            step(results, "lossless_fp32", lambda: lossless_check(target, draft, config))
-            del target, draft
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        profile["models"][name] = results
+        profile["models"][name] = {"config": shape}
+        _model_checks(profile["models"][name], name, shape, config, device, step)
     profile["wall_s"] = round(time.perf_counter() - t_start, 1)
     return profile
 
@@ -336,20 +436,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="profile JSON to write, e.g. experiments/profiles/h200.json")
     parser.add_argument("--tiny", action="store_true", help="a tiny random model instead of the Qwen3 shapes")
-    parser.add_argument("--allow-cpu", action="store_true", help="run on CPU (only together with --tiny)")
+    parser.add_argument("--device", default="auto", help="auto (CUDA when available, else the CPU), cuda, cuda:1, cpu")
+    parser.add_argument("--allow-cpu", action="store_true", help="the same as --device cpu (only with --tiny)")
     parser.add_argument("--models", default=None,
                         help="comma-separated subset of qwen3-4b,qwen3-8b (default: qwen3-8b)")
     parser.add_argument("--time-limit", type=float, default=None, help="seconds before remaining steps are skipped")
     args = parser.parse_args(argv)
 
-    if torch.cuda.is_available():
-        device = torch.device("cuda")
-    elif args.allow_cpu and args.tiny:
-        device = torch.device("cpu")
-    else:
-        print("gpu_check: no CUDA device visible. This check measures tree verification on a GPU and would take "
-              "hours on a CPU at Qwen3 sizes. Run it on a CUDA machine, or use `--allow-cpu --tiny` to exercise "
-              "the code path on a tiny model.", file=sys.stderr)
+    from experiments.gpu_run.runner import resolve_device
+
+    device = resolve_device("cpu" if args.allow_cpu and args.device == "auto" and not torch.cuda.is_available()
+                            else args.device)
+    if device.type == "cpu" and not args.tiny:
+        print("gpu_check: no CUDA device here (or --device cpu). This check measures tree verification on a GPU and "
+              "would take hours on a CPU at Qwen3 sizes. Run it on a CUDA machine, or add `--tiny` to exercise the "
+              "code path on a tiny model.", file=sys.stderr)
         return 2
     config = TINY_CHECK if args.tiny else CheckConfig()
     if args.tiny and device.type == "cuda":
@@ -368,7 +469,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from experiments.schema import write_json_atomic
 
-    profile = {**environment(device, config), **run_checks(config, device)}
+    env = environment(device, config)
+    profile = {**env, **run_checks(config, device, save=lambda so_far: write_json_atomic(Path(args.out),
+                                                                                          {**env, **so_far}))}
     write_json_atomic(Path(args.out), profile)
     for name, res in profile["models"].items():
         oracle, lossless = res.get("oracle", {}), res.get("lossless", {})

@@ -1,0 +1,103 @@
+"""The prepared GPU run (python -m experiments.gpu_run): its CPU dry run end to end, and what it survives.
+
+The dry run is the very command the GPU box runs, on tiny shapes with --device cpu, so the GPU path cannot rot
+unseen. The oracle trees of the exactness step must really accept tokens: a loop that compacts the cache to a
+prefix of the node list instead of the accepted path passes with a random drafter's trees and fails with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def test_the_cpu_dry_run_writes_every_step_and_a_summary(tmp_path):
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "experiments.gpu_run", "--device", "cpu", "--tiny", "--out",
+                           str(out), "--time-budget", "240"], cwd=REPO, capture_output=True, text=True, timeout=400,
+                          env={**_env(), "DDTREE_CACHE": str(tmp_path / "cache")})
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["1-env.json", "2-verify.json", "3-exactness.json", "4-round-cost.json", "5-benchmark.json",
+                     "summary.json"], (files, done.stderr[-3000:])  # <= 8 files: all that comes back from a box
+    steps = {name: json.loads((out / name).read_text()) for name in files}
+    assert {s["status"] for n, s in steps.items() if n != "summary.json"} == {"ok"}, done.stdout + done.stderr[-3000:]
+    assert done.returncode == 0
+    oracle = steps["2-verify.json"]["oracle"]
+    assert oracle["argmax_agreement"] == 1.0 and oracle["positions_checked"] == oracle["nodes"] + 1
+    assert [c["context"] for k, c in steps["2-verify.json"].items() if k.startswith("verify_cost_")] == [32, 64]
+    exact = {k: v for k, v in steps["3-exactness.json"].items() if isinstance(v, dict) and "runs" in v}
+    assert len(exact) == 4  # two pairs (one with a reduced draft vocabulary) x fp32, bf16
+    for part in exact.values():
+        budgets = {r["budget"] for r in part["runs"]}
+        assert budgets == {"chain", 8, 32, 128, 512} and part["exact_match"] == part["runs_total"]
+        assert part["oracle_mean_tau"] > 2.5  # real acceptance, not the random drafter's ~1
+    projection = steps["4-round-cost.json"]["context_64"]["projection"]
+    assert set(projection["datasets"]) == {"math500", "gsm8k", "humaneval"}
+    assert "PROJECTION" in steps["4-round-cost.json"]["shapes"]["label"]
+    variants = steps["5-benchmark.json"]["variants"]
+    assert {"ar", "dflash", "ddtree:16"} <= set(variants) and variants["ddtree:16"]["equal_to_ar"] == 1
+    assert steps["summary.json"]["steps"] == {"env": "ok", "verify": "ok", "exactness": "ok", "round_cost": "ok",
+                                              "benchmark": "ok"}
+    assert "summary" in done.stdout and "PROJECTION" in done.stdout and len(done.stdout.splitlines()) < 40
+
+
+def _args(out: Path, device: str = "cpu") -> argparse.Namespace:
+    return argparse.Namespace(out=str(out), device=device, tiny=True, gguf=None, wheels=None)
+
+
+def test_a_timed_out_or_failing_step_is_recorded_and_the_run_goes_on(tmp_path):
+    from experiments.gpu_run import runner
+
+    timed_out = runner.launch("verify", _args(tmp_path), limit=0.5, deadline=time.time() + 0.5)
+    on_disk = json.loads((tmp_path / "2-verify.json").read_text())
+    assert timed_out["status"] == on_disk["status"] == "timeout" and on_disk["limit_s"] == 0.5
+    failed = runner.launch("env", _args(tmp_path, device="cuda:7"), limit=120, deadline=time.time() + 120)
+    on_disk = json.loads((tmp_path / "1-env.json").read_text())
+    if torch.cuda.device_count() < 8:  # no such GPU: the step dies before writing anything; the parent records it
+        assert failed["status"] == on_disk["status"] == "failed" and on_disk["exit_code"] != 0
+        assert "CUDA" in on_disk["log_tail"]
+    assert not list(tmp_path.glob(".*.log"))  # the logs went into the JSON: nothing else to send back
+
+
+def test_a_spent_time_budget_skips_the_remaining_steps(tmp_path):
+    from experiments.gpu_run import runner
+
+    args = argparse.Namespace(**vars(_args(tmp_path)), time_budget=1.0)
+    results = runner.run_all(args)
+    assert {r["status"] for r in results.values()} == {"skipped"}
+    assert json.loads((tmp_path / "5-benchmark.json").read_text())["status"] == "skipped"
+
+
+def test_oracle_trees_catch_a_prefix_compaction_that_random_trees_miss(monkeypatch):
+    from dflash_core import decoding
+    from experiments import gpu_check
+    from experiments.gpu_run.steps import tiny_pair
+
+    target, draft = tiny_pair(torch.float32, torch.device("cpu"))
+    config = dataclasses.replace(gpu_check.TINY_CHECK, lossless_prompts=1, lossless_prompt_len=12,
+                                 lossless_tokens=16, lossless_budgets=("chain", 32))
+    intact = gpu_check.exactness_check(target, draft, config)
+    assert intact["exact_match"] == intact["runs_total"] and intact["oracle_mean_tau"] > 2.5
+    real = decoding.commit_path
+
+    def prefix_compaction(adapter, cache, start, path, features, carried=None):  # keeps nodes 0..k-1, not the path
+        return real(adapter, cache, start, list(range(len(path))), features, carried)
+
+    monkeypatch.setattr(decoding, "commit_path", prefix_compaction)
+    broken = gpu_check.exactness_check(target, draft, config)
+    oracle = [r for r in broken["runs"] if r["policy"] == "oracle" and r["budget"] == 32]
+    assert not any(r["match"] for r in oracle)  # the true path is never the first branch: caught
