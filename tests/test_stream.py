@@ -303,3 +303,52 @@ def test_generated_cursor_stays_valid_when_shards_are_added(tmp_path):
     assert len(set(epoch0)) == len(epoch0) and any(k.startswith("b") for k in epoch0)
     epoch1 = [k[: -len("@e1")] for k in later if k.endswith("@e1")]
     assert sorted(epoch1) == sorted(k for k, _, _ in grown)  # the next epoch: all 90 once (160 draws reach it)
+
+
+def _steps(stream, n):
+    return [[q.key for q in stream.next_step()] for _ in range(n)]
+
+
+@pytest.mark.parametrize("stop_after", [1, 6, 7])
+def test_stream_resumed_from_a_cursor_taken_mid_window_continues_with_the_untrained_steps(tmp_path, stop_after):
+    """A checkpoint may fall inside a window (4 steps here): the cursor saved then must give back the window's steps
+    not trained yet, so the run continues exactly as one without the interruption."""
+    import copy
+
+    mix = {"generated": 0.5, "code": 0.5}
+    whole = _steps(_stream(tmp_path, mix), 12)
+    first = _stream(tmp_path, mix)
+    before = _steps(first, stop_after)
+    resumed = _stream(tmp_path, mix, cursor=copy.deepcopy(first.cursor))
+    assert before + _steps(resumed, 12 - stop_after) == whole
+
+
+class _Recording(SequenceStream):
+    def next_step(self):
+        step = super().next_step()
+        self.record.append([q.key for q in step])
+        return step
+
+
+def test_stream_train_checkpointed_mid_window_resumes_where_it_stopped(tmp_path):
+    target, _ = _pair()
+    cfg = TrainConfig(anchors=4, seqs_per_step=4, lr=1e-3, warmup_frac=0.0, loss_vocab="draft", autocast=False,
+                      ckpt_every=3)
+
+    def stream():
+        s = _stream(tmp_path, {"generated": 0.5, "code": 0.5})
+        recording = _Recording.__new__(_Recording)
+        recording.__dict__.update(s.__dict__)
+        recording.record = []
+        return recording
+
+    def train(out, tokens, s):
+        return stream_train(target, _pair()[1], s, cfg, out, lambda m: None, None, tokens=tokens, log_every=1)
+
+    full = stream()
+    tokens = [h["tokens"] for h in train(tmp_path / "full", 4000, full).history]  # after each step
+    part, rest = stream(), stream()
+    stopped = train(tmp_path / "cut", tokens[5], part)  # stops after step 6, inside the second window
+    assert stopped.step == 6 and len(full.record) > 9
+    train(tmp_path / "cut", 4000, rest)
+    assert part.record + rest.record == full.record

@@ -23,6 +23,7 @@ shortens its schedule.
 from __future__ import annotations
 
 import bisect
+import copy
 import dataclasses
 import hashlib
 import json
@@ -56,12 +57,19 @@ class Cursor:
     :meth:`SequenceStream.generated_order`); None: the start of epoch 0, or, for a cursor written before it existed,
     the share ``generated`` mod n of that epoch. The place names a sequence, not an offset into n sequences, so a
     cursor stays valid when shards are added: no sequence is drawn twice or skipped in the epoch, and an added one
-    joins the epoch when its rank lies ahead (else it is first drawn in the next epoch)."""
+    joins the epoch when its rank lies ahead (else it is first drawn in the next epoch).
+
+    Inside a window (see :class:`SequenceStream`) the cursor stays at the window's start and ``taken`` counts its
+    steps handed out (trained on), ``window`` = [sequences per step, steps] its shape: a checkpoint saved mid-window
+    resumes with exactly the window's remaining steps (the window is drawn again from its start, keyed by the same
+    cursor, and the steps taken are left out); at a window's end the cursor moves past it (``taken`` 0)."""
 
     files: dict[str, list[int] | int] = field(default_factory=dict)
     generated: int = 0
     slots: int = 0  # sequences drawn in all (the mixing draw is keyed by it)
     generated_at: list | None = None
+    taken: int = 0  # steps of the window starting here already handed out
+    window: list[int] | None = None  # [seqs_per_step, window_steps] of that window (None: no window begun)
 
 
 @dataclass
@@ -85,7 +93,8 @@ class SequenceStream:
     ``end_ids``: the token(s) that end an assistant turn, appended to every corpus answer;
     the corpus kinds are read lazily through :func:`.textcorpus.iter_items` from the cursor's file positions. Each
     window of ``window_steps`` steps is drawn first, sorted by length and cut into steps (less padding in the batched
-    target pass), and the steps of a window come in a seeded order.
+    target pass), and the steps of a window come in a seeded order. ``cursor`` is where a resumed stream continues
+    (:class:`Cursor`: inside a window, its start and the steps taken); setting it restarts the stream there.
     """
 
     def __init__(self, tokenizer, mix: dict[str, float], cursor: Cursor, seqs_per_step: int, max_len: int,
@@ -96,7 +105,7 @@ class SequenceStream:
             raise ValueError(f"mix must give non-negative weights to some of {KINDS}, got {mix}")
         if mix.get("generated", 0) > 0 and not generated:
             raise ValueError("the mix asks for generated sequences but none were given (pass --generated-data)")
-        self.tokenizer, self.cursor, self.seed = tokenizer, cursor, seed
+        self.tokenizer, self.seed = tokenizer, seed
         self.mix = {k: v for k, v in mix.items() if v > 0}
         self.seqs_per_step, self.max_len, self.window_steps = seqs_per_step, max_len, window_steps
         self.generated = [g for g in generated if min(len(g[1]), max_len) - g[2] >= 2]
@@ -105,10 +114,20 @@ class SequenceStream:
         if mix.get("generated", 0) > 0 and not self.generated:
             raise ValueError(f"none of the {len(generated)} generated sequences has 2 response tokens within max_len "
                              f"{max_len}: raise max_len or regenerate the data with shorter prompts")
-        self._iters: dict[str, Iterator] = {}
         self._end = list(end_ids)  # appended to every corpus answer: the end of an assistant turn
-        self._pending: list[list[StreamSequence]] = []
         self._order: tuple[int, list] | None = None  # (epoch, its order of the generated sequences)
+        self.cursor = cursor
+
+    @property
+    def cursor(self) -> Cursor:
+        return self._cursor
+
+    @cursor.setter
+    def cursor(self, cursor: Cursor) -> None:
+        self._cursor = cursor
+        self._head = copy.deepcopy(cursor)  # where drawing stands (ahead of the cursor inside a window)
+        self._iters: dict[str, Iterator] = {}  # per corpus kind, reading from the head's file position
+        self._pending: list[list[StreamSequence]] = []
 
     def _corpus_next(self, kind: str) -> StreamSequence | None:
         from ..data import build_chat
@@ -116,13 +135,13 @@ class SequenceStream:
 
         while True:
             if kind not in self._iters:
-                self._iters[kind] = iter_items(kind, self.cursor.files.get(kind, 0), self.seed, self.sources,
+                self._iters[kind] = iter_items(kind, self._head.files.get(kind, 0), self.seed, self.sources,
                                                self.banned, self.stats)
             try:
                 (pos, k), item = next(self._iters[kind])
             except StopIteration:
                 return None  # this kind is used up
-            self.cursor.files[kind] = [pos, k + 1]  # the next item to read
+            self._head.files[kind] = [pos, k + 1]  # the next item to read
             prompt = build_chat(self.tokenizer, [item.request])
             response = list(self.tokenizer.encode(item.response, add_special_tokens=False)) + self._end
             ids = (prompt + response)[: self.max_len]
@@ -146,10 +165,10 @@ class SequenceStream:
 
     def _generated_place(self) -> tuple[int, tuple]:
         """(epoch, the place in its order after which the next generated sequence comes)."""
-        at = self.cursor.generated_at
+        at = self._head.generated_at
         if at is not None:
             return int(at[0]), (int(at[1]), str(at[2]), math.inf)
-        epoch, offset = divmod(self.cursor.generated, len(self.generated))  # a cursor from before: a share of it
+        epoch, offset = divmod(self._head.generated, len(self.generated))  # a cursor from before: a share of it
         return epoch, (offset * _RANKS // len(self.generated) - 1, "", math.inf)
 
     def _generated_next(self) -> StreamSequence:
@@ -160,37 +179,53 @@ class SequenceStream:
             epoch, order, j = epoch + 1, self.generated_order(epoch + 1), 0
         rank, name, i = order[j]
         key, ids, p = self.generated[i]
-        self.cursor.generated += 1
-        self.cursor.generated_at = [epoch, rank, name]
+        self._head.generated += 1
+        self._head.generated_at = [epoch, rank, name]
         return StreamSequence(f"{key}@e{epoch}", "generated", ids[: self.max_len], p)
 
     def _draw(self) -> StreamSequence | None:
         kinds = sorted(self.mix)
         while kinds:
-            rng = random.Random(f"stream-mix:{self.seed}:{self.cursor.slots}")
+            rng = random.Random(f"stream-mix:{self.seed}:{self._head.slots}")
             kind = rng.choices(kinds, weights=[self.mix[k] for k in kinds])[0]
             seq = self._generated_next() if kind == "generated" else self._corpus_next(kind)
             if seq is not None:
-                self.cursor.slots += 1
+                self._head.slots += 1
                 return seq
             kinds.remove(kind)  # used up: the others share its weight from now on
             self.mix.pop(kind)
         return None
 
     def next_step(self) -> list[StreamSequence]:
-        """The sequences of the next step (fewer than ``seqs_per_step`` only when every source is used up)."""
+        """The sequences of the next step (fewer than ``seqs_per_step`` only when every source is used up); the
+        caller trains on it before asking for the next (the cursor counts it as taken)."""
         if not self._pending:
-            window = []
-            for _ in range(self.seqs_per_step * self.window_steps):
-                seq = self._draw()
-                if seq is None:
-                    break
-                window.append(seq)
-            window.sort(key=lambda s: len(s.ids))
-            steps = [window[i:i + self.seqs_per_step] for i in range(0, len(window), self.seqs_per_step)]
-            random.Random(f"stream-window:{self.seed}:{self.cursor.slots}").shuffle(steps)
-            self._pending = steps
-        return self._pending.pop() if self._pending else []
+            self._pending = self._window()
+        step = self._pending.pop() if self._pending else []
+        if self._pending:
+            self._cursor.taken += 1
+        else:  # the window is done: the cursor moves past it
+            for f in dataclasses.fields(Cursor):
+                setattr(self._cursor, f.name, copy.deepcopy(getattr(self._head, f.name)))
+        return step
+
+    def _window(self) -> list[list[StreamSequence]]:
+        """The steps of the window starting at the cursor, in the order :meth:`next_step` pops them, less the
+        ``cursor.taken`` steps already handed out (a stream resumed mid-window; drawn in the shape recorded)."""
+        start = self._cursor
+        per_step, steps = start.window or (self.seqs_per_step, self.window_steps)
+        self._head = dataclasses.replace(copy.deepcopy(start), taken=0, window=None)
+        window = []
+        for _ in range(per_step * steps):
+            seq = self._draw()
+            if seq is None:
+                break
+            window.append(seq)
+        window.sort(key=lambda s: len(s.ids))
+        cut = [window[i:i + per_step] for i in range(0, len(window), per_step)]
+        random.Random(f"stream-window:{self.seed}:{self._head.slots}").shuffle(cut)
+        start.window = [per_step, steps]
+        return cut[: max(0, len(cut) - start.taken)]
 
 
 @torch.no_grad()
