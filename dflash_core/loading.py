@@ -6,11 +6,12 @@ Used by the benchmark (``experiments.models``) and the training recipe (``dflash
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
-__all__ = ["load_target", "placement", "stop_token_ids"]
+__all__ = ["load_target", "placement", "stop_token_ids", "unreachable_error"]
 
 _TURN_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>")
 
@@ -40,12 +41,29 @@ def load_target(name: str, dtype: torch.dtype, device: torch.device | str, *, de
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(name)
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=attn_implementation,
-                                                 **placement(device, device_map, max_memory))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=attn_implementation,
+                                                     **placement(device, device_map, max_memory))
+    except OSError as err:  # not on disk and the hub unreachable (or refused): say what to carry, not a traceback
+        raise unreachable_error(name, err) from err
     if device_map is None and torch.device(device).type == "cpu":
         model = model.to(device)
     return model.eval(), tokenizer
+
+
+def unreachable_error(name: str, err: Exception) -> FileNotFoundError:
+    """The error for a model that is neither a local folder nor in the Hugging Face cache, the hub out of reach."""
+    offline = any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+                  for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    where = ("HF_HUB_OFFLINE is set, so the hub was not asked" if offline else
+             "the Hugging Face Hub could not be reached; on a machine without network set HF_HUB_OFFLINE=1, so "
+             "that only the cache is read")
+    return FileNotFoundError(
+        f"cannot load {name!r}: it is not a local folder and not complete in the Hugging Face cache, and {where}. "
+        f"Carry its weights to this machine: a folder from `hf download {name} --local-dir DIR` (pass DIR instead "
+        f"of the id), or the cache folder models--{name.replace('/', '--')} copied under $HF_HUB_CACHE "
+        f"(default ~/.cache/huggingface/hub). ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
 
 
 def stop_token_ids(tokenizer, target) -> list[int]:

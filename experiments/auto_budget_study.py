@@ -66,7 +66,7 @@ def curves(target, draft, fp32_curve: bool, profiles: Path) -> dict[str, tuple[C
     dtype = str(next(target.parameters()).dtype).replace("torch.", "")
     out = {f"this CPU ({cpu_model()}, {dtype})": (measure_cost_model(target, draft, context=256, cap=128), 128)}
     if fp32_curve and dtype != "float32":
-        target32, draft32, _ = load_default_pair(dtype=torch.float32)
+        target32, draft32, _ = load_default_pair(dtype=torch.float32, device=target.device)
         out[f"this CPU ({cpu_model()}, float32)"] = (measure_cost_model(target32, draft32, context=256, cap=128), 128)
         del target32, draft32
     out[AMD_FP32.key] = (AMD_FP32, 128)
@@ -113,7 +113,7 @@ def run(args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     mine = user_policies(args.policy)
-    target, draft, tokenizer = load_default_pair()
+    target, draft, tokenizer = load_default_pair(device=getattr(args, "device", "auto"))
     stops = stop_token_ids(tokenizer)
     prompts = [("", name, item.sample_id, build_chat(tokenizer, item.turns[:1]))
                for name in OFFLINE_DATASETS for item in select_items(name, args.samples, seed=args.seed)]
@@ -148,7 +148,7 @@ def run(args) -> dict:
                              "sizes": got.tree_sizes})
             print(f"[{time.perf_counter() - t0:.0f}s] T={temperature:g} {name}/{sid} replayed", flush=True)
         results["temperatures"][f"{temperature:g}"] = summarize(rows, cost_curves)
-    results["setup"] = {"cpu": cpu_model(), "dtype": str(next(target.parameters()).dtype), "samples": args.samples,
+    results["setup"] = {"cpu": cpu_model(), "device": str(target.device), "dtype": str(next(target.parameters()).dtype), "samples": args.samples,
                         "seed": args.seed, "max_new_tokens": args.max_new_tokens, "datasets": list(OFFLINE_DATASETS),
                         "user_policies": mine,
                         "curves": {k: v[0].to_json() | {"cap": v[1]} for k, v in cost_curves.items()}}
@@ -224,6 +224,7 @@ def main(argv=None) -> None:
     p.add_argument("--fp32-curve", action="store_true", help="also measure this machine's fp32 cost curve")
     p.add_argument("--profiles", default=str(Path(__file__).parent / "profiles"), help="folder of GPU profiles")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default="auto", help="auto (CUDA when available, else the CPU), cuda, cuda:1, cpu")
     p.add_argument("--policy", action="append", default=[], metavar="MODULE:CLASS",
                    help="also replay your own ProposalPolicy class (no-argument constructor; repeatable)")
     args = p.parse_args(argv)

@@ -216,6 +216,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpu-kernels", choices=("auto", "torch", "packed"), default="auto",
                    help="linear kernels on a CPU (dflash_core.cpu_kernels; auto as the default preset)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when available, else the CPU), cuda, cuda:1, cpu")
     p.add_argument("--seed", type=int, default=0, help="the benchmark's selection seed")
     p.add_argument("--out", default="runs/pld_compare/pld_compare.json")
     args = p.parse_args(argv)
@@ -243,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import transformers
     from dflash_core import load_default_pair
     from dflash_core.cpu_kernels import apply_cpu_kernels
-    from dflash_core.default import default_dtype, stop_token_ids
+    from dflash_core.default import default_dtype, resolve_device, stop_token_ids
     from dflash_core.files import write_text_atomic
     from dflash_core.timing import machine_identity
     from experiments.datasets import build_chat
@@ -251,8 +252,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from experiments.session import WARMUP_PROMPT
 
     transformers.utils.logging.set_verbosity_error()  # generate()'s per-call notices would drown the progress lines
-    dtype = {"auto": default_dtype("cpu"), "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    target, draft, tokenizer = load_default_pair(dtype)
+    device = resolve_device(args.device)
+    dtype = {"auto": default_dtype(device), "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    target, draft, tokenizer = load_default_pair(dtype, device)
     kernels = apply_cpu_kernels(target, draft, kernels=args.cpu_kernels)
     stops = stop_token_ids(tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
@@ -271,7 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "command_line": [sys.executable, "-m", "experiments.pld_compare",
                                *(sys.argv[1:] if argv is None else argv)],
               "machine": {**machine_identity(), "platform": platform.platform()},
-              "dtype": str(target.dtype).removeprefix("torch."), "cpu_kernels": {"asked": args.cpu_kernels,
+              "device": str(device), "dtype": str(target.dtype).removeprefix("torch."), "cpu_kernels": {"asked": args.cpu_kernels,
                                                                                  "in_effect": kernels},
               "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                            "python": platform.python_version()},

@@ -36,19 +36,18 @@ from experiments.models import resolve_dtype
 from experiments.schema import write_json_atomic
 
 
-def _load(pair: str, dtype_name: str):
+def _load(pair: str, dtype_name: str, device: torch.device):
     from dflash_core.default import load_default_pair, stop_token_ids
 
     if pair == "tiny":
         from .models import random_draft, tiny_target
 
-        target = tiny_target()
+        target = tiny_target().to(device)
         draft = random_draft(target, layers=1, taps=2, block_size=8)
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, target.config.vocab_size, (24,), generator=g).tolist() for _ in range(2)]
         return target, draft, prompts, []
-    dtype = resolve_dtype(dtype_name, torch.device("cpu"))
-    target, draft, tokenizer = load_default_pair(dtype)
+    target, draft, tokenizer = load_default_pair(resolve_dtype(dtype_name, device), device)
     from .drafter_eval import protocol_prompts
 
     prompts = [ids for _, _, _, ids in protocol_prompts(tokenizer)]
@@ -81,7 +80,7 @@ def hf_generate_tps(target, prompts, max_new_tokens: int, stops) -> float:
     """Tokens/s of Hugging Face greedy ``generate()`` over the prompts (batch 1 each)."""
     total_tokens, total_s = 0, 0.0
     for ids in prompts:
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=target.device)
         t0 = time.perf_counter()
         out = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
                               eos_token_id=stops or None, pad_token_id=stops[0] if stops else 0)
@@ -174,6 +173,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m experiments.profile_round", description=__doc__.split("\n\n")[0])
     p.add_argument("--pair", choices=["default", "tiny"], default="default")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
+    p.add_argument("--device", default="auto", help="auto (CUDA when available, else the CPU), cuda, cuda:1, cpu")
     p.add_argument("--methods", default="ar,chain,4,8,16,32", help="ar, chain, auto and node budgets, comma-separated")
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -188,7 +188,9 @@ def main(argv=None) -> None:
         p.error(f"--kernels must be distinct entries of {kernel_choices}, got {a.kernels!r}")
     if a.threads:
         torch.set_num_threads(a.threads)
-    target, draft, prompts, stops = _load(a.pair, a.dtype)
+    from dflash_core.default import resolve_device
+
+    target, draft, prompts, stops = _load(a.pair, a.dtype, resolve_device(a.device))
     prompts = prompts[: a.prompts]
     methods = [m if m in ("ar", "chain", "auto") else int(m) for m in a.methods.split(",")]
     if "packed" in kernels:
@@ -212,7 +214,7 @@ def main(argv=None) -> None:
     set_packed_enabled(True)
     hf_tps = hf_generate_tps(target, prompts, a.max_new_tokens, stops) if kernels == ["torch"] else None
     first = by_kernel[kernels[0]]
-    result = {"cpu": cpu_model(), "dtype": str(target.dtype), "threads": torch.get_num_threads(), "pair": a.pair,
+    result = {"cpu": cpu_model(), "device": str(target.device), "dtype": str(target.dtype), "threads": torch.get_num_threads(), "pair": a.pair,
               "prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "kernels": kernels, **first,
               "hf_generate_tokens_per_s": hf_tps, "by_kernel": by_kernel}
     _report(result, kernels, by_kernel, first, hf_tps)

