@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -131,9 +130,3 @@ def read_shard_features(folder: str | Path, name: str, mmap: bool = True):
 def done_prompt_keys(folder: str | Path) -> set[str]:
     """Prompt keys already generated in ``folder`` (a rerun skips them)."""
     return {s.prompt_key for name in list_shards(folder) for s in read_shard_tokens(folder, name)}
-
-
-def iter_all_samples(folder: str | Path) -> Iterator[tuple[str, int, ShardSample]]:
-    for name in list_shards(folder):
-        for i, s in enumerate(read_shard_tokens(folder, name)):
-            yield name, i, s

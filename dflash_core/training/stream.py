@@ -36,6 +36,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from ..files import atomic_write
 from ..model import DFlashDraftModel
 from .blocks import sample_anchors
 from .config import TrainConfig
@@ -286,11 +287,9 @@ def _resume_stream(ckpt: Path, draft, optimizer, dev, state: StreamState, log) -
 
 def _save_stream_checkpoint(ckpt: Path, draft, optimizer, state: StreamState) -> None:
     """Write drafter, optimizer and the stream state (as JSON, cursor included) to ``ckpt`` atomically."""
-    blob_state = {"stream_state": json.dumps(state.to_dict())}
-    tmp = ckpt.with_suffix(".tmp")
-    torch.save({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(), **blob_state,
-                "config": draft.config.to_dict()}, tmp)
-    tmp.replace(ckpt)
+    blob = {"draft": draft.state_dict(), "optimizer": optimizer.state_dict(),
+            "stream_state": json.dumps(state.to_dict()), "config": draft.config.to_dict()}
+    atomic_write(ckpt, lambda tmp: torch.save(blob, tmp))
 
 
 def _stream_eval(draft, evaluate, state: StreamState, log) -> None:
