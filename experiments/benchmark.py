@@ -23,6 +23,7 @@ Multi-GPU: under ``torchrun --nproc_per_node=G`` the conversations are dealt rou
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -42,7 +43,8 @@ from experiments.ranks import RankInfo, device_name, pick_device, process_group
 from experiments.run_folder import RunFolder, existing_records, merge_rank_files  # noqa: F401
 from experiments.schema import METHODS, read_records
 from experiments.session import Conversation, Session, StopRun, conversations, first_mismatch, top2_margin  # noqa: F401
-from experiments.sizing import Unit, size_run, sizing_message
+from experiments.replayed import Replayer, replay_variants
+from experiments.sizing import Unit, coverage, coverage_message, size_run, sizing_message
 from experiments.summary import summary_table
 from experiments.variants import Variant, budget_supported, make_variants  # noqa: F401
 
@@ -53,18 +55,20 @@ __all__ = ["Variant", "Models", "RankInfo", "load_models", "make_variants", "pic
 # ---------------------------------------------------------------------------------------------------- one pair
 def run_pair(preset: Preset, pair: ModelPair, folder: Path, *, device: torch.device, rank: RankInfo,
              max_generations: int | None = None, command_line: Sequence[str] = (), full: bool = False,
-             variants: list[Variant] | None = None, required_datasets: Sequence[str] = ()) -> bool:
+             variants: list[Variant] | None = None, required_datasets: Sequence[str] = (), replay: bool = True) -> bool:
     """Run (or resume) one model pair into ``folder``; True when every record of this rank's share is done.
 
     ``variants``: what to measure (default: the preset's, :func:`make_variants`); ``required_datasets``: datasets
-    whose unavailability is an error instead of a note."""
+    whose unavailability is an error instead of a note; ``replay``: replay each turn on plain decoding's text
+    (the preset's ``replay_budgets``, :mod:`experiments.replayed`)."""
     return _run_pair(preset, pair, RunFolder(folder, rank), device, max_generations=max_generations,
-                     command_line=command_line, full=full, variants=variants, required_datasets=required_datasets)
+                     command_line=command_line, full=full, variants=variants, required_datasets=required_datasets,
+                     replay=replay)
 
 
 def _run_pair(preset: Preset, pair: ModelPair, run: RunFolder, device: torch.device, *, max_generations: int | None,
               command_line: Sequence[str], full: bool, variants: list[Variant] | None,
-              required_datasets: Sequence[str]) -> bool:
+              required_datasets: Sequence[str], replay: bool = True) -> bool:
     rank = run.rank
     run.check_resumable(preset, pair)
     variants = make_variants(preset) if variants is None else variants
@@ -81,7 +85,7 @@ def _run_pair(preset: Preset, pair: ModelPair, run: RunFolder, device: torch.dev
     session = _session_info(preset, models, variants, command_line, rank, unavailable)
     run.start_session(preset, models, session)
     complete = _run_conversations(preset, models, variants, mine, done, run, max_generations,
-                                  full=full or rank.world > 1)
+                                  full=full or rank.world > 1, replay=replay)
     run.finish_session(complete)
     return complete
 
@@ -109,14 +113,28 @@ def _session_info(preset: Preset, models: Models, variants: list[Variant], comma
     return info
 
 
+def _replayer(preset: Preset, models: Models, run: RunFolder, replay: bool) -> "Replayer | None":
+    """What replays each turn on plain decoding's text (the preset's ``replay_budgets``), or None: not asked for,
+    no drafter, or a torchrun launch (the replay runs in single-process runs only)."""
+    variants = replay_variants(preset) if replay else []
+    if not variants or models.draft is None:
+        return None
+    if run.rank.world > 1:
+        log("note: the replay runs in single-process runs only; skipped under torchrun")
+        return None
+    return Replayer(models, variants, preset.max_new_tokens)
+
+
 def _run_conversations(preset: Preset, models: Models, variants: list[Variant], mine: list[Conversation],
-                       done: dict, run: RunFolder, max_generations: int | None, full: bool = False) -> bool:
+                       done: dict, run: RunFolder, max_generations: int | None, full: bool = False,
+                       replay: bool = True) -> bool:
     from tqdm import tqdm
 
     rank, slug = run.rank, models.pair.slug
     with tqdm(total=0, desc=f"{slug} r{rank.rank}" if rank.world > 1 else slug, unit="gen",
               position=rank.rank, dynamic_ncols=True, file=sys.stderr) as progress:
-        session = Session(preset, models, variants, run, done, progress, max_generations)
+        session = Session(preset, models, variants, run, done, progress, max_generations,
+                          replayer=_replayer(preset, models, run, replay))
         todo = [c for c in mine if session.pending(c)]
         progress.total = sum(session.pending(c) for c in todo)
         progress.refresh()
@@ -144,18 +162,23 @@ def _warm_up_and_size(session: Session, todo: list[Conversation], run: RunFolder
     if calibration is not None:
         run.update_session(calibration=calibration)
     per_token, per_call = session.warm_up(todo)
-    units = [Unit(c, turn, v) for c in todo for turn in range(len(c.item.turns)) for v in variants
+    units = [Unit(c, turn, v) for c in todo for turn in range(c.num_turns) for v in variants
              if v.key(c.item.dataset, c.item.sample_id, turn, c.temperature) not in done]
     budget = None if full else preset.time_budget_s
-    kept, report = size_run(units, per_token, preset.max_new_tokens, budget if budget else float("inf"), per_call)
+    kept, report = size_run(units, per_token, preset.max_new_tokens, budget if budget else float("inf"), per_call,
+                            min_samples=preset.min_samples, per_turn=session.replay_turn_s)
     if budget and report["left_out"]:
-        keep_conv = {u.conv.index for u in kept}
+        turns: dict[int, int] = {}
+        for u in kept:
+            turns[u.conv.index] = max(turns.get(u.conv.index, 0), u.turn + 1)
         keep_var = {u.variant for u in kept} | {v for v in variants if v.method == "ar"}
-        todo = [c for c in todo if c.index in keep_conv]
+        todo = [dataclasses.replace(c, max_turns=turns[c.index]) for c in todo if c.index in turns]
         session.restrict([v for v in variants if v in keep_var])
         session.progress.total = len(kept)
         session.progress.refresh()
     log(sizing_message(session.models.pair.slug, report, budget))
+    report["live"] = coverage(todo, session.variants, session.replayer)
+    log(coverage_message(session.models.pair.slug, report["live"]))
     run.update_session(sizing=report)
     return todo
 
@@ -171,18 +194,26 @@ def _print_summary(pair: ModelPair, run: RunFolder, path: Path) -> None:
     records = read_records(path)
     print(f"\n## {pair.slug}: {pair.target} + {pair.draft} ({len(records)} records)\n", flush=True)
     print(summary_table(records), flush=True)
+    live = (run.last_session.get("sizing") or {}).get("live")
+    if live:
+        print(coverage_message(pair.slug, live) + "\n", flush=True)
+    if run.replayed_path.is_file():
+        print("### Projected: every replayed policy on plain decoding's own text, priced by this machine's measured "
+              "cost curve (not timed)\n", flush=True)
+        print(summary_table(read_records(run.replayed_path)), flush=True)
     curve = run.last_session.get("cost_curve")
     if curve:
         print(f"why: {curve['explanation']}\n", flush=True)
     print(f"records:  {path}\nmanifest: {run.manifest_path}\n"
           f"figures:  python plot_results.py --runs {run.path}  (figures; tables with per-prompt intervals, the oracle "
-          "budget, policies against it and stage times)", flush=True)
+          "budget, policies against it, stage times; replayed.md: auto against the oracle on the same text and "
+          "replayed vs live tau; auto_live.md: auto over the fixed budgets, paired per prompt)", flush=True)
 
 
 def run_benchmark(preset: Preset, out: str | Path, *, max_generations: int | None = None,
                   command_line: Sequence[str] = (), rank: RankInfo | None = None, summary: bool = True,
                   full: bool = False, variants: list[Variant] | None = None,
-                  required_datasets: Sequence[str] = ()) -> bool:
+                  required_datasets: Sequence[str] = (), replay: bool = True) -> bool:
     """Run every model pair of ``preset`` into ``out``; returns True when all records are done. Rank 0 merges
     per-rank records and prints the summary table. ``variants`` and ``required_datasets``: see :func:`run_pair`."""
     rank = rank or RankInfo.from_env()
@@ -194,7 +225,7 @@ def run_benchmark(preset: Preset, out: str | Path, *, max_generations: int | Non
             run = RunFolder(folder, rank)
             finished = _run_pair(preset, pair, run, torch_device, max_generations=max_generations,
                                  command_line=command_line, full=full, variants=variants,
-                                 required_datasets=required_datasets)
+                                 required_datasets=required_datasets, replay=replay)
             complete &= finished
             rank.barrier()
             if rank.is_main:
@@ -248,7 +279,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cpu-kernels", choices=("torch", "packed", "auto"), default=None,
                         help="linear kernels on a CPU (default: the preset's; see dflash_core.cpu_kernels)")
     parser.add_argument("--full", action="store_true",
-                        help="run the preset's whole grid even where it projects past its time budget")
+                        help="run the preset's whole grid live (default: its budgets 2/4/32/64, chain-auto and "
+                             "DDTree+lookup B=16 too), even where it projects past its time budget")
+    parser.add_argument("--no-replay", action="store_true",
+                        help="skip the replay of every budget on plain decoding's text (experiments.replayed)")
     parser.add_argument("--time-budget", type=float, default=None,
                         help="minutes of decoding to size the run to on this machine (default: the preset's)")
     parser.add_argument("--max-generations", type=int, default=None,
@@ -263,7 +297,8 @@ def preset_from_args(args: argparse.Namespace, include_hub: bool = False) -> Pre
         max_samples=args.max_samples, max_new_tokens=args.max_new_tokens, methods=args.methods,
         budgets=args.budgets, trees=args.trees, temperatures=args.temperatures, dtype=args.dtype, seed=args.seed,
         device=args.device, time_budget_s=args.time_budget * 60 if args.time_budget else None,
-        cpu_kernels=args.cpu_kernels, lookup_budgets=args.lookup_budgets, include_hub=include_hub)
+        cpu_kernels=args.cpu_kernels, lookup_budgets=args.lookup_budgets, include_hub=include_hub,
+        full=bool(getattr(args, "full", False)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -282,7 +317,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         complete = run_benchmark(preset, out, max_generations=args.max_generations, command_line=command_line,
                                  full=args.full, variants=variants,
-                                 required_datasets=preset.datasets if args.datasets else ())
+                                 required_datasets=preset.datasets if args.datasets else (),
+                                 replay=not args.no_replay)
     except (FileNotFoundError, ValueError, ImportError, DatasetUnavailableError) as err:
         print(f"benchmark: {type(err).__name__}: {err}", file=sys.stderr)
         return 1

@@ -164,7 +164,7 @@ def _sized_grid(plan: dict[str, Any], convs: list, folder: Path, per_token: dict
              if v.key(c.item.dataset, c.item.sample_id, turn, c.temperature) not in done]
     sized = not plan["full"] and plan["devices"]["world"] == 1 and bool(preset.time_budget_s)
     budget = preset.time_budget_s if sized else float("inf")
-    kept, report = bench.size_run(units, per_token, preset.max_new_tokens, budget)
+    kept, report = bench.size_run(units, per_token, preset.max_new_tokens, budget, min_samples=preset.min_samples)
     return {"done": len(done), "units": units, "kept": kept, "report": report, "sized": sized}
 
 

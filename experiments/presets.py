@@ -1,14 +1,16 @@
 """Benchmark presets: frozen configurations for ``python -m experiments.benchmark --preset NAME``.
 
 * ``default`` -- the embedded offline pair (SmolLM2-135M-Instruct + the shipped drafter) on this kind of 2-core CPU:
-  all seven offline datasets (the six of the papers and the input-grounded set), a few samples each, AR + DFlash +
-  DDTree at budgets 2/4/8/16/32/64 (+ ``auto`` and ``chain-auto``) + prompt lookup (PLD) + DDTree with lookup
-  branches (B=16 and ``auto``), greedy.
-  Sized so that ``bash run_benchmark.sh`` on a fresh clone, setup included, ends within 15 minutes.
+  all seven offline datasets (the six of the papers and the input-grounded set), six prompts each, greedy. Live: AR,
+  DFlash, DDTree at B=8 and B=16, ``auto``, prompt lookup (PLD) and DDTree with lookup branches under ``auto``
+  (``--full`` adds B=2/4/32/64, ``chain-auto`` and DDTree+lookup at B=16). Replayed on plain decoding's own text
+  (:mod:`experiments.replayed`): every budget 2..64, ``auto``, the chain, PLD and the lookup trees, priced by the
+  machine's cost curve. Sized so that ``bash run_benchmark.sh`` on a fresh clone ends within 15 minutes, setup
+  excluded.
 * ``quick``   -- a smoke test of the same path in well under 3 minutes.
 * ``sampling``-- the same pair at T = 1: the deterministic top-K tree (sample-and-match) next to the sampled tree
-  (recursive rejection sampling) at budgets 16 and 32, ``auto`` (top-K), AR and DFlash, on the seven offline datasets;
-  ~15 minutes.
+  (recursive rejection sampling) at budgets 16 and 32, ``auto`` (top-K), AR and DFlash, on the seven offline datasets,
+  six prompts each; the top-K budgets 2..64, ``auto`` and the chain replayed on plain decoding's sampled text.
 * ``paper``   -- the DDTree paper's grid on CUDA (Qwen3-4B/8B, Qwen3-Coder-30B-A3B with the z-lab drafters,
   budgets 16..1024, T in {0, 1}): the six offline datasets by default, the four hub-only ones when asked
   (``with_overrides(..., include_hub=True)``, ``bash run_benchmark.sh --hub-datasets``); sized to an hour of
@@ -98,6 +100,11 @@ class Preset:
     cpu_kernels: str = "torch"  # linear kernels on a CPU: torch, packed or auto (dflash_core.cpu_kernels)
     hub_datasets: tuple[str, ...] = ()  # the grid's hub-only datasets, left out unless asked for (include_hub)
     lookup_budgets: tuple[int | str, ...] = ()  # DDTree+lookup variants: int node budgets and/or "auto"
+    full_budgets: tuple[int | str, ...] = ()  # measured live only with --full (:func:`with_overrides`, full=True)
+    full_lookup_budgets: tuple[int | str, ...] = ()  # likewise for DDTree+lookup
+    min_samples: int = 1  # sizing never leaves out samples below this many per dataset before anything else
+    replay_budgets: tuple[int | str, ...] = ()  # replayed on plain decoding's text: ints, "auto", "chain"
+    replay_lookup_budgets: tuple[int | str, ...] = ()  # DDTree+lookup replayed (ints, "auto"); PLD with any
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -156,6 +163,17 @@ class Preset:
             out.append("time_budget_s must be > 0 (or None: no sizing)")
         if any(n < 1 for _, n in self.samples_per_dataset):
             out.append("samples_per_dataset entries must be >= 1")
+        if self.min_samples < 1:
+            out.append("min_samples must be >= 1")
+        for b in self.full_budgets:
+            if isinstance(b, bool) or not (isinstance(b, int) and b >= 0 or b in BUDGET_POLICIES):
+                out.append(f"full budget {b!r} is neither an int >= 0 nor one of {BUDGET_POLICIES}")
+        for b in (*self.full_lookup_budgets, *self.replay_lookup_budgets):
+            if isinstance(b, bool) or not (isinstance(b, int) and b >= 0 or b == "auto"):
+                out.append(f"lookup budget {b!r} is neither an int >= 0 nor 'auto'")
+        for b in self.replay_budgets:
+            if isinstance(b, bool) or not (isinstance(b, int) and b >= 0 or b in ("auto", "chain")):
+                out.append(f"replay budget {b!r} is neither an int >= 0 nor 'auto' or 'chain'")
         return out
 
     def samples_for(self, dataset: str) -> int:
@@ -167,26 +185,33 @@ class Preset:
 
 _SMOLLM2 = ModelPair("default", "default", name="smollm2-135m")
 
-# Time budget on this 2-core CPU in bf16, from the verify costs in FACTS §3 (one forward: 22 ms for 1 token, 28 ms
-# for 16, 37 ms for 32, 52 ms for 64) plus ~5-10 ms of drafter and bookkeeping per round. 7 datasets x 2 samples + 4
-# second turns (MT-Bench, grounded) = 18 turns x 13 variants x 128 tokens at ~3-5 s per generation with the shipped
-# drafter is ~12-18 min of decoding: the run sizes itself to the 12-minute budget (`time_budget_s`,
-# experiments.sizing.size_run: second samples go first), plus prefill, warm-up, the cost curves of `auto` (measured
-# once per machine), first-time setup and the figures.
-# The fixed budgets 2..64 are the set issue 11 scores `auto` against: the best of them per dataset, chosen after the
-# fact (the oracle), interleaved in one run with `auto` and `chain-auto` (DFlash with a chosen chain length).
+# Time budget on this 2-core CPU in bf16 (packed kernels): plain decoding ~26 ms per token, the speculative variants
+# ~1.5-2.5x faster, so one turn of the 7 live variants is ~15 s at 128 new tokens and ~11.5 s at 96; replaying a
+# turn (one teacher-forced pass, one batched drafter pass, 11 policies' rounds) adds ~2-3 s. 7 datasets x 6 prompts
+# = 42 first turns at 96 tokens, live and replayed, are ~10 min; the second turns of MT-Bench and grounded run where
+# the rest of the 12-minute budget allows (experiments.sizing: they go before any of the six prompts). The main
+# job's other ~3 minutes: loading, the drafter's cost curves (measured once per machine), the warm-up and the
+# figures. What the live run no longer measures (budgets 2, 4, 32, 64, chain-auto, lookup B=16) is replayed on plain
+# decoding's own text and priced by the measured curve: every budget on the same text, `auto` among them, so `auto`
+# against the oracle is judged on equal terms (`--full` measures them live too).
 DEFAULT = Preset(
     name="default",
-    description="embedded SmolLM2-135M pair on CPU: 7 offline datasets x 2 samples, 128 tokens, T=0, with lookup",
+    description="embedded SmolLM2-135M pair on CPU: 7 offline datasets x 6 prompts, 96 tokens, T=0, 7 live "
+                "variants, every budget 2..64 replayed",
     models=(_SMOLLM2,),
     datasets=OFFLINE_DATASETS,
-    max_samples=2,
-    max_new_tokens=128,
+    max_samples=6,
+    min_samples=6,
+    max_new_tokens=96,
     methods=("ar", "dflash", "ddtree", "pld"),
-    budgets=(2, 4, 8, 16, 32, 64, "auto", "chain-auto"),
-    lookup_budgets=(16, "auto"),
+    budgets=(8, 16, "auto"),
+    lookup_budgets=("auto",),
+    full_budgets=(2, 4, 32, 64, "chain-auto"),
+    full_lookup_budgets=(16,),
     optional_budgets=("auto", "chain-auto"),
-    time_budget_s=720.0,  # 12 min of decoding; with setup, warm-up and the figures: 15 min
+    replay_budgets=("chain", 2, 4, 8, 16, 32, 64, "auto"),
+    replay_lookup_budgets=(16, "auto"),
+    time_budget_s=720.0,  # 12 min of decoding and replay; with the cost curves, warm-up and figures: 15 min
     cpu_kernels="auto",
 )
 
@@ -199,6 +224,7 @@ QUICK = Preset(
     max_new_tokens=64,
     budgets=(16,),
     warmup_tokens=8,
+    replay_budgets=("chain", 4, 8, 16, 32, "auto"),
     time_budget_s=120.0,
     cpu_kernels="auto",
 )
@@ -246,31 +272,41 @@ TINY = Preset(
     max_samples=2,
     max_new_tokens=12,
     budgets=(4, 16),
+    replay_budgets=("chain", 4, 16),
     dtype="fp32",
     warmup_tokens=4,
 )
 
 # T = 1 on the default pair: is a sampled tree (children drawn from the drafter, recursive rejection sampling) better
 # than the deterministic top-K tree (sample-and-match) at the same budget, and what does `auto` choose at T = 1? Seven
-# variants (AR, DFlash, top-K and sampled at B = 16 and 32, auto) x 18 turns (7 datasets x 2 samples + 4 second
-# turns) x 128 tokens = 126 generations at ~5-6 s each (at T = 1 acceptance is lower than at T = 0): ~11 min of
-# decoding; the run sizes itself to the 12-minute budget on slower machines.
+# live variants (AR, DFlash, top-K and sampled at B = 16 and 32, auto) on 6 prompts per dataset; the run sizes itself
+# to the 12-minute budget (second turns first). Replayed on plain decoding's sampled text (the rounds of
+# sample-and-match: top-K trees, chains and lookups commit exactly plain decoding's draws): the chain, budgets 2..64
+# and auto. Sampled trees verify by rejection sampling and are not replayed.
 SAMPLING = Preset(
     name="sampling",
-    description="embedded SmolLM2-135M pair on CPU, T=1: top-K vs sampled trees at B=16/32, 7 datasets x 2 samples",
+    description="embedded SmolLM2-135M pair on CPU, T=1: top-K vs sampled trees at B=16/32, 7 datasets x 6 prompts",
     models=(_SMOLLM2,),
     datasets=OFFLINE_DATASETS,
-    max_samples=2,
-    max_new_tokens=128,
+    max_samples=6,
+    min_samples=6,
+    max_new_tokens=96,
     budgets=(16, 32, "auto"),
     optional_budgets=("auto",),
     trees=("topk", "sampled"),
     temperatures=(1.0,),
+    replay_budgets=("chain", 2, 4, 8, 16, 32, 64, "auto"),
     time_budget_s=720.0,
     cpu_kernels="auto",
 )
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (DEFAULT, QUICK, SAMPLING, PAPER, TINY)}
+
+
+def _by_size(budgets) -> list:
+    """Int budgets in increasing order, then the policies in their given order."""
+    ints = sorted(b for b in budgets if isinstance(b, int) and not isinstance(b, bool))
+    return ints + [b for b in budgets if not (isinstance(b, int) and not isinstance(b, bool))]
 
 
 def get_preset(name: str) -> Preset:
@@ -308,12 +344,21 @@ def matching_pair(preset: Preset, target: str) -> ModelPair | None:
 
 
 def with_overrides(preset: Preset, *, target: str | None = None, draft: str | None = None, include_hub: bool = False,
-                   **fields: Any) -> Preset:
+                   full: bool = False, **fields: Any) -> Preset:
     """A copy of ``preset`` with the given fields replaced (None = keep). ``target``/``draft`` replace the model
     pairs by one pair: the preset's pair that ``target`` stands for (:func:`matching_pair`: its drafter, name, device
     map and chat settings are kept), else a new pair with the first pair's drafter. ``include_hub`` adds the
-    preset's hub-only datasets (in the order of ``KNOWN_DATASETS``). Explicitly given budgets are never optional."""
+    preset's hub-only datasets (in the order of ``KNOWN_DATASETS``). Explicitly given budgets are never optional.
+    ``full``: the preset's whole grid live (``--full``): its ``full_budgets`` and ``full_lookup_budgets`` join the
+    budgets that were not given explicitly."""
     changes = {k: v for k, v in fields.items() if v is not None}
+    if full:
+        if "budgets" not in changes:
+            changes["budgets"] = tuple(dict.fromkeys(_by_size(preset.budgets + preset.full_budgets)))
+            changes["optional_budgets"] = preset.optional_budgets
+        if "lookup_budgets" not in changes:
+            changes["lookup_budgets"] = tuple(dict.fromkeys(_by_size(preset.lookup_budgets
+                                                                     + preset.full_lookup_budgets)))
     if target is not None or draft is not None:
         first = preset.models[0]
         base = first if target is None else matching_pair(preset, target)
@@ -336,4 +381,5 @@ def with_overrides(preset: Preset, *, target: str | None = None, draft: str | No
         changes["datasets"], changes["hub_datasets"] = tuple(order), ()
     if "max_samples" in changes:  # an explicit sample count applies to every dataset
         changes.setdefault("samples_per_dataset", ())
+        changes.setdefault("min_samples", min(preset.min_samples, changes["max_samples"]))
     return dataclasses.replace(preset, **changes)

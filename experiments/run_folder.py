@@ -5,6 +5,7 @@
     records.jsonl          one SampleRecord per finished (dataset, sample, turn, method variant, temperature)
     records.rank<r>.jsonl  per-rank records while a torchrun run is in flight (rank 0 merges them at the end)
     manifest.json          environment and resolved preset (experiments.schema.Manifest), replaced atomically
+    replayed.jsonl         the rounds of every replayed policy on plain decoding's text, priced (experiments.replayed)
 
 Every record is appended and fsynced as soon as its generation ends (``experiments.schema.append_record``), so an
 interrupted run loses at most the generation in flight; reopening the folder finds every finished record
@@ -26,7 +27,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from experiments.ranks import RANK_RECORDS_GLOB, RankInfo, device_name
-from experiments.schema import MANIFEST_FILENAME, RECORDS_FILENAME, Manifest, SampleRecord, append_record, read_records
+from experiments.schema import (
+    MANIFEST_FILENAME, RECORDS_FILENAME, REPLAYED_FILENAME, Manifest, SampleRecord, append_record, read_records,
+)
 
 if TYPE_CHECKING:
     from experiments.models import Models
@@ -101,6 +104,22 @@ class RunFolder:
 
     def merge_rank_files(self) -> Path:
         return merge_rank_files(self.path)
+
+    # -- replayed records (experiments.replayed; single-process runs only)
+    @property
+    def replayed_path(self) -> Path:
+        return self.path / REPLAYED_FILENAME
+
+    def replayed_keys(self) -> set[tuple]:
+        """Resume keys of the replayed records already written."""
+        path = self.replayed_path
+        return {r.record_key() for r in read_records(path)} if path.is_file() else set()
+
+    def append_replayed(self, records: list[SampleRecord]) -> None:
+        """Append one turn's replayed records (each one write, then fsync; plain decoding's row last, so a turn
+        whose row is there is complete)."""
+        for record in sorted(records, key=lambda r: r.method == "ar"):
+            append_record(self.replayed_path, record)
 
     # -- manifest
     def check_resumable(self, preset: "Preset", pair: "ModelPair") -> None:

@@ -31,6 +31,7 @@ from typing import Any, Iterable
 SCHEMA_VERSION = 1
 RECORDS_FILENAME = "records.jsonl"
 MANIFEST_FILENAME = "manifest.json"
+REPLAYED_FILENAME = "replayed.jsonl"  # replayed rounds on plain decoding's text, priced (experiments.replayed)
 
 # ar: plain decoding; dflash: the drafter's chain (``budget="chain-auto"``: with a chosen length); ddtree: trees;
 # pld: draft-free prompt lookup (``dflash_core.lookup_generate``).

@@ -12,7 +12,7 @@ import math
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -23,6 +23,9 @@ from experiments.presets import Preset
 from experiments.run_folder import RunFolder
 from experiments.schema import EXTRA_AR_MARGIN, EXTRA_LOOKUP_TOKENS, EXTRA_TREE_SIZES, SampleRecord, method_label
 from experiments.variants import Variant
+
+if TYPE_CHECKING:
+    from experiments.replayed import Replayer
 
 __all__ = ["Conversation", "Session", "StopRun", "conversations", "first_mismatch", "generation_seed",
            "top2_margin"]
@@ -37,6 +40,13 @@ class Conversation:
     item: BenchmarkItem
     temperature: float
     index: int  # position in the run's global order (ranks take every world-th)
+    max_turns: int | None = None  # a sized run may keep only the first turns (None: all of them)
+
+    @property
+    def num_turns(self) -> int:
+        """The turns this run measures: the item's, or its first ``max_turns``."""
+        n = len(self.item.turns)
+        return n if self.max_turns is None else min(n, self.max_turns)
 
 
 def conversations(preset: Preset, required: Sequence[str] = ()) -> tuple[list[Conversation], dict[str, str]]:
@@ -138,10 +148,14 @@ class Session:
     """Runs conversations for one model pair, appending a record per finished generation to ``folder``."""
 
     def __init__(self, preset: Preset, models: Models, variants: list[Variant], folder: RunFolder,
-                 done: dict[tuple, SampleRecord], progress, max_generations: int | None = None) -> None:
+                 done: dict[tuple, SampleRecord], progress, max_generations: int | None = None,
+                 replayer: "Replayer | None" = None) -> None:
         self.preset, self.models, self.variants = preset, models, variants
         self.folder, self.done, self.progress = folder, done, progress
         self.remaining = max_generations
+        self.replayer = replayer  # replays every turn on plain decoding's text (experiments.replayed), or None
+        self.replayed = folder.replayed_keys() if replayer is not None else set()
+        self.replay_turn_s = 0.0  # projected seconds of one replayed turn (measured in the warm-up)
         self.ar = Variant("ar") if Variant("ar") in variants else None
         self.others = [v for v in variants if v.method != "ar"]
         self.chat_kwargs = dict(models.pair.chat_template_kwargs) or None
@@ -154,7 +168,7 @@ class Session:
     def pending(self, conv: Conversation) -> int:
         item = conv.item
         return sum(v.key(item.dataset, item.sample_id, turn, conv.temperature) not in self.done
-                   for turn in range(len(item.turns)) for v in self.at(conv.temperature))
+                   for turn in range(conv.num_turns) for v in self.at(conv.temperature))
 
     def _generate(self, variant: Variant, input_ids: torch.Tensor, temperature: float, seed: int):
         t0 = time.perf_counter()
@@ -184,18 +198,19 @@ class Session:
             if record is None:
                 self._write(_record(self.ar, conv, turn, result, seed, self.models, wall, None, order=0))
             return result.new_token_ids
-        if turn + 1 < len(item.turns):  # not measured, but the next turn continues AR's answer
+        if turn + 1 < conv.num_turns:  # not measured, but the next turn continues AR's answer
             return self._generate(Variant("ar"), input_ids, t, seed)[0].new_token_ids
         return None
 
     def run(self, conv: Conversation) -> None:
         item, t = conv.item, conv.temperature
         answers: list[str] = []
-        for turn in range(len(item.turns)):
+        for turn in range(conv.num_turns):
             keys = {v: v.key(item.dataset, item.sample_id, turn, t) for v in self.at(t)}
             later_pending = any(v.key(item.dataset, item.sample_id, later, t) not in self.done
-                                for later in range(turn + 1, len(item.turns)) for v in self.at(t))
-            if not later_pending and all(k in self.done for k in keys.values()):
+                                for later in range(turn + 1, conv.num_turns) for v in self.at(t))
+            if not later_pending and all(k in self.done for k in keys.values()) and not self._replay_pending(
+                    conv, turn):
                 continue  # nothing left in this turn, and no later turn needs its answer
             ids = build_chat(self.models.tokenizer, item.turns[: turn + 1], answers,
                              chat_template_kwargs=self.chat_kwargs)
@@ -213,20 +228,39 @@ class Session:
                 compare_with = reference if t == 0 or variant.tree != "sampled" else None
                 self._write(_record(variant, conv, turn, result, seed, self.models, wall, compare_with, order,
                                     input_ids))
-            if turn + 1 < len(item.turns):
+            self._replay(conv, turn, input_ids, reference)
+            if turn + 1 < conv.num_turns:
                 answers.append(_answer_text(self.models.tokenizer, reference or [], self.models.stop_token_ids))
+
+    def _replay_pending(self, conv: Conversation, turn: int) -> bool:
+        """Whether this turn still waits for its replay (plain decoding's replayed row is written last)."""
+        if self.replayer is None or self.ar is None:
+            return False
+        return self.ar.key(conv.item.dataset, conv.item.sample_id, turn, conv.temperature) not in self.replayed
+
+    def _replay(self, conv: Conversation, turn: int, input_ids: torch.Tensor, reference: list[int] | None) -> None:
+        """Replay this turn's rounds for every replayed policy on plain decoding's output (once per turn)."""
+        if reference is None or not self._replay_pending(conv, turn):
+            return
+        base = self.done.get(self.ar.key(conv.item.dataset, conv.item.sample_id, turn, conv.temperature))
+        if base is None:
+            return
+        records = self.replayer.replay_turn(base, input_ids, reference)
+        self.folder.append_replayed(records)
+        self.replayed.update(r.record_key() for r in records)
 
     def calibrate(self, todo: Sequence[Conversation]) -> dict[str, Any] | None:
         """Measure ``auto``'s cost curves for every context bucket the run's prompts can reach, before anything is
         timed (cached per machine: a later run pays nothing); None when no variant sizes its trees."""
-        adaptive = sorted({v.budget for v in self.variants if v.budget in ("auto", "chain-auto")})
+        adaptive = {v.budget for v in self.variants if v.budget in ("auto", "chain-auto")}
+        adaptive = sorted(adaptive | ({"auto"} if self.replayer is not None else set()))  # replay prices rounds
         if not adaptive or self.models.draft is None:
             return None
         from ddtree.cost import calibrate
 
         lengths = [len(build_chat(self.models.tokenizer, c.item.turns[:1], chat_template_kwargs=self.chat_kwargs))
                    for c in todo]
-        turns = max(len(c.item.turns) for c in todo)  # a later turn adds the answer and the next question
+        turns = max(c.num_turns for c in todo)  # a later turn adds the answer and the next question
         longest = max(lengths) * turns + (turns - 1) * self.preset.max_new_tokens + self.preset.max_new_tokens
         contexts = [1 << k for k in range(max(min(lengths), 1).bit_length() - 1, longest.bit_length() + 1)]
         t0 = time.perf_counter()
@@ -253,6 +287,9 @@ class Session:
             result = variant.generate(self.models, input_ids, self.preset.warmup_tokens, t, 0)
             per_token[variant] = result.timings.get("decode", 0.0) / max(1, len(result.new_token_ids) - 1)
             per_call[variant] = result.timings.get("prefill", 0.0)
+            if variant.method == "ar" and self.replayer is not None:  # one replayed turn, scaled to the run's
+                self.replay_turn_s = self.replayer.estimate_turn_s(input_ids, result.new_token_ids, t,
+                                                                   self.preset.warmup_tokens)
         return per_token, per_call
 
     def restrict(self, variants: list[Variant]) -> None:

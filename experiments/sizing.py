@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from experiments.session import Conversation
     from experiments.variants import Variant
 
-__all__ = ["Unit", "size_run", "sizing_message"]
+__all__ = ["Unit", "coverage", "coverage_message", "size_run", "sizing_message"]
 
 
 @dataclass(frozen=True)
@@ -30,53 +30,77 @@ def _samples_by_dataset(units: list[Unit]) -> dict[str, list[tuple[int, str]]]:
     return {dataset: list(entries) for dataset, entries in samples.items()}
 
 
-def _drop_samples(units: list[Unit], unit_cost, budget_s: float) -> tuple[list[Unit], list[str]]:
-    """Step 1 of the rule, all at once: drop the last sample of the dataset with the most samples left while the
-    projection exceeds the budget and some dataset has more than one (linear in the units)."""
+def _drop_samples(units: list[Unit], cost, budget_s: float, floor: int) -> tuple[list[Unit], list[str]]:
+    """Drop the last sample of the dataset with the most samples left while the projection exceeds the budget and
+    some dataset has more than ``floor`` (all at once: linear in the units)."""
     samples = _samples_by_dataset(units)
-    conv_cost: dict[int, float] = {}
+    by_conv: dict[int, list[Unit]] = {}
     for u in units:
-        conv_cost[u.conv.index] = conv_cost.get(u.conv.index, 0.0) + unit_cost(u)
-    total, dropped, left_out = sum(conv_cost.values()), set(), []
+        by_conv.setdefault(u.conv.index, []).append(u)
+    total, dropped, left_out = cost(units), set(), []
     while total > budget_s and samples:
         dataset = max(samples, key=lambda d: (len(samples[d]), d))
-        if len(samples[dataset]) <= 1:
+        if len(samples[dataset]) <= floor:
             break
         index, sid = max(samples[dataset])
         samples[dataset].remove((index, sid))
-        total -= conv_cost[index]
+        total -= cost(by_conv[index])
         dropped.add(index)
         left_out.append(f"{dataset} sample {sid}")
     return [u for u in units if u.conv.index not in dropped], left_out
 
 
-def _leave_one_out(kept: list[Unit]) -> tuple[list[Unit], str] | None:
-    """One step of rules 2-3 (see :func:`size_run`): the units left and what went, or None when nothing may go."""
-    samples = _samples_by_dataset(kept)
+def _drop_later_turns(units: list[Unit], cost, budget_s: float) -> tuple[list[Unit], list[str]]:
+    """Drop the later turns (MT-Bench's and grounded's second) of one conversation at a time, the last first,
+    while the projection exceeds the budget."""
+    later: dict[int, list[Unit]] = {}
+    for u in units:
+        if u.turn > 0:
+            later.setdefault(u.conv.index, []).append(u)
+    total, dropped, left_out = cost(units), set(), []
+    for index in sorted(later, reverse=True):
+        if total <= budget_s:
+            break
+        total -= cost(later[index])
+        dropped.add(index)
+        conv = later[index][0].conv
+        left_out.append(f"{conv.item.dataset} sample {conv.item.sample_id} later turns")
+    return [u for u in units if not (u.turn > 0 and u.conv.index in dropped)], left_out
+
+
+def _drop_budget(kept: list[Unit]) -> tuple[list[Unit], str] | None:
+    """Drop one DDTree fixed budget from the outside in (the middle one stays), or None when one is left."""
     fixed = sorted({u.variant.budget for u in kept if u.variant.method == "ddtree" and u.variant.policy == "fixed"})
-    if len(fixed) > 1:
-        drop = fixed[-1] if len(fixed) % 2 == 0 else fixed[0]  # outside in: the middle budget stays
-        kept = [u for u in kept if not (u.variant.policy == "fixed" and u.variant.budget == drop)]
-        return kept, f"DDTree budget {drop}"
-    if len(samples) > 1:
-        last = max(samples, key=lambda d: min(samples[d]))  # the dataset that comes last in the run's order
-        return [u for u in kept if u.conv.item.dataset != last], f"dataset {last}"
-    return None
+    if len(fixed) <= 1:
+        return None
+    drop = fixed[-1] if len(fixed) % 2 == 0 else fixed[0]  # outside in: the middle budget stays
+    return [u for u in kept if not (u.variant.policy == "fixed" and u.variant.budget == drop)], f"DDTree budget {drop}"
+
+
+def _drop_dataset(kept: list[Unit]) -> tuple[list[Unit], str] | None:
+    samples = _samples_by_dataset(kept)
+    if len(samples) <= 1:
+        return None
+    last = max(samples, key=lambda d: min(samples[d]))  # the dataset that comes last in the run's order
+    return [u for u in kept if u.conv.item.dataset != last], f"dataset {last}"
 
 
 def size_run(units: list[Unit], per_token: dict["Variant", float], max_new_tokens: int,
-             budget_s: float, per_call: dict["Variant", float] | None = None) -> tuple[list[Unit], dict[str, Any]]:
+             budget_s: float, per_call: dict["Variant", float] | None = None, *, min_samples: int = 1,
+             per_turn: float = 0.0) -> tuple[list[Unit], dict[str, Any]]:
     """Leave work out until the projected decoding time fits ``budget_s``; returns (kept units, report).
 
     Projection: every generation runs ``max_new_tokens`` at its variant's warm-up seconds per token, plus its
-    ``per_call`` seconds (the prefill of a typical prompt; default 0). The rule, in
-    order, while the projection exceeds the budget:
-    1. drop the last selected sample (all its turns and variants) of the dataset with the most samples left,
-       down to one sample per dataset;
-    2. drop DDTree fixed budgets from the outside in (the largest, then the smallest, ...) down to the middle one;
+    ``per_call`` seconds (the prefill of a typical prompt; default 0), plus ``per_turn`` seconds per kept turn (its
+    replay, :mod:`experiments.replayed`). The rule, in order, while the projection exceeds the budget:
+    1. drop the last selected sample (all its turns and variants) of the dataset with the most samples left, down
+       to ``min_samples`` per dataset;
+    2. drop the later turns (MT-Bench's and grounded's second) of one conversation at a time, the last first;
+    3. drop DDTree fixed budgets from the outside in (the largest, then the smallest, ...) down to the middle one;
        AR, DFlash, PLD, lookup trees and policies such as ``auto`` always stay;
-    3. drop datasets from the end of the run's order, down to one;
-    4. run what is left, and say that it will take longer than the budget.
+    4. drop samples as in 1, down to one per dataset;
+    5. drop datasets from the end of the run's order, down to one;
+    6. run what is left, and say that it will take longer than the budget.
     """
     per_call = per_call or {}
 
@@ -84,19 +108,24 @@ def size_run(units: list[Unit], per_token: dict["Variant", float], max_new_token
         return per_token.get(u.variant, 0.0) * max_new_tokens + per_call.get(u.variant, 0.0)
 
     def cost(us):
-        return sum(map(unit_cost, us))
+        return sum(map(unit_cost, us)) + per_turn * len({(u.conv.index, u.turn) for u in us})
 
     full = cost(units)
-    kept, left_out = _drop_samples(list(units), unit_cost, budget_s)
-    while cost(kept) > budget_s:
-        step = _leave_one_out(kept)
-        if step is None:
-            break
+    kept, left_out = _drop_samples(list(units), cost, budget_s, max(1, min_samples))
+    kept, more = _drop_later_turns(kept, cost, budget_s)
+    left_out += more
+    while cost(kept) > budget_s and (step := _drop_budget(kept)) is not None:
+        kept, what = step
+        left_out.append(what)
+    kept, more = _drop_samples(kept, cost, budget_s, 1)
+    left_out += more
+    while cost(kept) > budget_s and (step := _drop_dataset(kept)) is not None:
         kept, what = step
         left_out.append(what)
     report = {"budget_s": budget_s if budget_s != float("inf") else None, "projected_full_s": round(full, 1),
               "projected_s": round(cost(kept), 1), "left_out": left_out,
-              "seconds_per_token": {v.label: round(t, 5) for v, t in per_token.items()}}
+              "seconds_per_token": {v.label: round(t, 5) for v, t in per_token.items()},
+              "replay_s_per_turn": round(per_turn, 3)}
     return kept, report
 
 
@@ -104,10 +133,34 @@ def sizing_message(slug: str, report: dict[str, Any], budget_s: float | None) ->
     """The log line that says what a sized run left out (or what the whole grid projects to)."""
     if budget_s and report["left_out"]:
         return (f"{slug}: the full grid projects to {report['projected_full_s'] / 60:.1f} min of decoding on this "
-                f"machine, over the {budget_s / 60:.0f}-minute budget; left out by the stated rule (samples, then "
-                f"outer DDTree budgets, then the last datasets): {', '.join(report['left_out'])}; projected now "
+                f"machine, over the {budget_s / 60:.0f}-minute budget; left out by the stated rule (samples beyond "
+                f"the preset's minimum, later turns, outer DDTree budgets, more samples, the last datasets): "
+                f"{', '.join(report['left_out'])}; projected now "
                 f"{report['projected_s'] / 60:.1f} min"
                 + (" (still over: nothing more is left out)" if report["projected_s"] > budget_s else "")
                 + ". --full runs everything.")
     return (f"{slug}: projected decoding time {report['projected_full_s'] / 60:.1f} min"
             + (f" (budget {budget_s / 60:.0f} min)" if budget_s else ""))
+
+
+def coverage(todo: list["Conversation"], variants: list["Variant"], replayer=None) -> dict[str, Any]:
+    """What this session measures: the live variants, the prompts (first turns) and later turns per dataset and
+    temperature, and the replayed variants (:mod:`experiments.replayed`; empty without a replay)."""
+    prompts: dict[str, dict[str, int]] = {}
+    for c in todo:
+        entry = prompts.setdefault(f"{c.item.dataset} T={c.temperature:g}", {"prompts": 0, "later_turns": 0})
+        entry["prompts"] += 1
+        entry["later_turns"] += c.num_turns - 1
+    return {"variants": [v.label for v in variants], "prompts": prompts,
+            "replayed": [v.label for v in replayer.variants] if replayer is not None else []}
+
+
+def coverage_message(slug: str, live: dict[str, Any]) -> str:
+    """The log line that says which variants run live, how many prompts each dataset gets, and what is replayed."""
+    per = ", ".join(f"{name} {e['prompts']}" + (f" (+{e['later_turns']} later turns)" if e["later_turns"] else "")
+                    for name, e in live["prompts"].items())
+    text = (f"{slug}: live ({len(live['variants'])} variants, each on every prompt): {', '.join(live['variants'])}; "
+            f"prompts per dataset: {per or 'none left to run'}")
+    if live["replayed"]:
+        text += (f"; replayed on plain decoding's text and priced by the cost curve: {', '.join(live['replayed'])}")
+    return text

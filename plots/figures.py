@@ -17,8 +17,9 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullLocator
 
 from experiments.schema import METHOD_LABELS, SampleRecord, dataset_label
-from plots.colors import METHOD_COLORS, VARIANT_COLORS
-from plots.metrics import ORACLE_LABEL, Stats, find, groups_of, oracle_stats
+from plots.colors import METHOD_COLORS
+from plots.metrics import Stats, find, groups_of, oracle_stats
+from plots.speedup import plot_speedup
 
 STYLE = {
     "font.size": 11,
@@ -36,13 +37,14 @@ STYLE = {
 DATASET_PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
                    "#bcbd22", "#17becf")
 AR_LINE = {"color": "#555555", "linestyle": ":", "linewidth": 1.3}
-# Side-by-side tree kinds at the same budgets (speedup bars): top-K in purples, sampled in greens, by budget.
-TOPK_SHADES = ("#9467bd", "#c5b0d5", "#6a3d9a", "#b294c7", "#54278f")
+# Sampled trees (acceptance histograms): greens.
 SAMPLED_SHADES = ("#2ca02c", "#98df8a", "#1a7a1a", "#74c476", "#006d2c")
 SAMPLED_LINE = {"linestyle": "-.", "marker": "^", "markersize": 5, "linewidth": 1.4}
-# DDTree with lookup branches, next to the top-K tree at the same budgets: teal shades by budget, a dotted line.
-LOOKUP_SHADES = ("#17becf", "#9edae5", "#0e7c86", "#5fc7d2", "#08525a")
+# DDTree with lookup branches in the budget trade-off: a dotted line with diamonds.
 LOOKUP_LINE = {"linestyle": ":", "marker": "D", "markersize": 4, "linewidth": 1.6}
+# Replayed (projected) fixed budgets: thin dash-dot lines with hollow circles, beside the live (solid) lines.
+PROJECTED_LINE = {"linestyle": (0, (5, 2, 1, 2)), "marker": "o", "markersize": 4, "markerfacecolor": "white",
+                  "linewidth": 1.0, "alpha": 0.9}
 
 
 def temperature_tag(t: float) -> str:
@@ -68,120 +70,7 @@ def _temperatures(stats: Iterable[Stats]) -> list[float]:
     return sorted({s.temperature for s in stats})
 
 
-# ---- (a) speedup per dataset -------------------------------------------------------------------------------------
-
-
-def _speedup_series(stats: list[Stats], temperature: float,
-                    fixed_budget: int | None) -> tuple[list[str], dict[str, dict[str, Stats]], dict[str, str]]:
-    datasets = [d for d, t in groups_of(stats) if t == temperature]
-    series: dict[str, dict[str, Stats]] = {}
-    colors: dict[str, str] = {}
-    extra_colors = iter([VARIANT_COLORS["other"], "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"])
-    ddtree = [s for d in datasets for s in find(stats, d, temperature, "ddtree")]
-    # budgets that have a sampled (lookup) tree: the top-K tree is drawn next to it at each of them
-    sampled_budgets = sorted({s.budget for s in ddtree if s.is_sampled_tree})
-    lookup_budgets = sorted({s.budget for s in ddtree if s.is_lookup_tree})
-    paired = sorted(set(sampled_budgets) | set(lookup_budgets))
-
-    def add(label: str, dataset: str, s: Stats, color: str) -> None:
-        if s.speedup is None:
-            return
-        series.setdefault(label, {})[dataset] = s
-        colors.setdefault(label, color)
-
-    def policy_color(s: Stats) -> str:
-        color = colors.get(s.label) or VARIANT_COLORS.get(str(s.budget)) or VARIANT_COLORS.get(s.policy)
-        return color or next(extra_colors, VARIANT_COLORS["other"])
-
-    for dataset in datasets:
-        for s in find(stats, dataset, temperature, "pld"):
-            add(s.label, dataset, s, METHOD_COLORS["pld"])
-        for s in find(stats, dataset, temperature, "dflash"):
-            add(s.label, dataset, s, METHOD_COLORS["dflash"] if s.budget is None else policy_color(s))
-        oracle = oracle_stats(stats, dataset, temperature)
-        if oracle is not None:
-            add(ORACLE_LABEL, dataset, oracle, VARIANT_COLORS["oracle"])
-        for s in find(stats, dataset, temperature, "ddtree"):
-            if s.is_fixed_tree and s.budget == fixed_budget:
-                add(f"{s.label}, preset", dataset, s, VARIANT_COLORS["fixed"])
-            elif s.is_fixed_tree and s.budget in paired:
-                add(s.label, dataset, s, TOPK_SHADES[paired.index(s.budget) % len(TOPK_SHADES)])
-            elif s.is_sampled_tree:
-                add(s.label, dataset, s, SAMPLED_SHADES[sampled_budgets.index(s.budget) % len(SAMPLED_SHADES)])
-            elif s.is_lookup_tree:
-                add(s.label, dataset, s, LOOKUP_SHADES[lookup_budgets.index(s.budget) % len(LOOKUP_SHADES)])
-            elif not s.is_fixed_tree:
-                add(s.label, dataset, s, policy_color(s))
-    return datasets, series, colors
-
-
-def plot_speedup(stats: list[Stats], temperature: float, out_dir: str | Path, *,
-                 formats: Sequence[str] = ("png", "pdf"), fixed_budget: int | None = None,
-                 subtitle: str | None = None) -> list[Path]:
-    """Grouped bars: token-weighted speedup over AR per dataset (and their mean), one bar per method variant."""
-    datasets, series, colors = _speedup_series(stats, temperature, fixed_budget)
-    if not series:
-        return []
-    with_data = [d for d in datasets if any(d in by for by in series.values())]
-    groups = list(datasets)
-    means = {label: sum(s.speedup for s in by.values()) / len(by) for label, by in series.items()
-             if len(by) == len(with_data)}
-    show_mean = len(with_data) > 1 and bool(means)
-    if show_mean:
-        groups.append("Mean")
-
-    with matplotlib.rc_context(STYLE):
-        width_in = min(16.0, max(6.5, 0.45 * len(groups) * len(series) + 2.5))
-        fig = Figure(figsize=(width_in, 4.6), layout="constrained")
-        ax = fig.add_subplot()
-        width = 0.8 / len(series)
-        top = 1.0
-        labelled: set[str] = set()
-        for j, (label, by) in enumerate(series.items()):
-            offset = (j - (len(series) - 1) / 2) * width
-            for i, group in enumerate(groups):
-                if group == "Mean":
-                    if label not in means:
-                        continue
-                    value, s = means[label], None
-                else:
-                    s = by.get(group)
-                    if s is None:
-                        continue
-                    value = s.speedup
-                x = i + offset
-                ax.bar(x, value, width * 0.92, color=colors[label], edgecolor="white", linewidth=0.5,
-                       label=None if label in labelled else label)
-                labelled.add(label)
-                text = f"{value:.2f}×"
-                if s is not None and s.oracle:
-                    text += f"\nB={s.budget}"
-                if s is not None and s.speedup_q25 is not None and s.num_paired > 1:
-                    ax.plot([x, x], [s.speedup_q25, s.speedup_q75], color="black", linewidth=1.0)
-                    ax.plot([x], [s.speedup_median], marker="o", markersize=3, color="black")
-                    top = max(top, s.speedup_q75)
-                peak = max(value, s.speedup_q75 if s is not None and s.speedup_q75 is not None else value)
-                ax.annotate(text, (x, peak), xytext=(0, 2), textcoords="offset points", ha="center", va="bottom",
-                            fontsize=8, linespacing=0.95)
-                top = max(top, value)
-        for i, group in enumerate(groups):
-            if group != "Mean" and group not in with_data:
-                ax.text(i, 0.5, "no AR baseline:\nno speedup", ha="center", va="center", fontsize=9,
-                        color="#666666")
-        ax.axhline(1.0, **AR_LINE, label="AR (1×)")
-        if show_mean:
-            ax.axvline(len(datasets) - 0.5, color="#999999", linewidth=0.8)
-        ax.set_xticks(range(len(groups)), [dataset_label(g) for g in groups])
-        ax.set_xlim(-0.6, len(groups) - 0.4)
-        ax.set_ylim(0, top * 1.2)
-        ax.grid(axis="x", visible=False)
-        ax.set_ylabel("Speedup over AR (×)")
-        ax.set_title(_title(f"Decoding speedup per dataset, T = {temperature:g}", subtitle))
-        handles, labels = ax.get_legend_handles_labels()
-        handles.append(Line2D([], [], color="black", marker="o", markersize=3, linewidth=1.0))
-        labels.append("per-sample median and IQR")
-        fig.legend(handles, labels, loc="outside lower center", ncol=min(3, len(labels)), frameon=False)
-        return _save(fig, Path(out_dir), f"speedup_{temperature_tag(temperature)}", formats)
+# ---- (a) speedup per dataset: plots.speedup (one panel per method family) -------------------------------------
 
 
 # ---- (b) budget trade-off ----------------------------------------------------------------------------------------
@@ -203,12 +92,30 @@ def _policies(stats: list[Stats], dataset: str, temperature: float) -> list[Stat
     return [s for m in ("dflash", "ddtree") for s in find(stats, dataset, temperature, m) if s.is_policy]
 
 
+def _projected_axis(ax, metric: str, projected: list[Stats], temperature: float, datasets: list[str],
+                    colors: dict[str, str]) -> None:
+    """Replayed (projected) fixed budgets as thin dash-dot lines with hollow circles, replayed ``auto`` as a hollow
+    star at its mean tree size: every budget on plain decoding's text, beside the live rows."""
+    for d in datasets:
+        rows = sorted((s for s in find(projected, d, temperature, "ddtree")
+                       if s.is_fixed_tree and getattr(s, metric) is not None), key=lambda s: s.budget)
+        if rows:
+            ax.plot([s.budget for s in rows], [getattr(s, metric) for s in rows], color=colors[d], **PROJECTED_LINE)
+        for s in find(projected, d, temperature, "ddtree"):
+            if s.budget == "auto" and s.policy == "auto" and s.mean_tree_size and getattr(s, metric) is not None:
+                ax.plot([s.mean_tree_size], [getattr(s, metric)], marker="*", markersize=12, color="white",
+                        markeredgecolor=colors[d], markeredgewidth=1.2, linestyle="none")
+
+
 def _tradeoff_axis(ax, metric: str, ylabel: str, stats: list[Stats], temperature: float, datasets: list[str],
-                   lines: dict[str, dict[str, list[Stats]]], colors: dict[str, str], budgets: list[int]) -> bool:
+                   lines: dict[str, dict[str, list[Stats]]], colors: dict[str, str], budgets: list[int],
+                   projected: list[Stats] = ()) -> bool:
     """One panel (speedup or τ); returns True when a policy had no recorded tree size (drawn as a dotted level)."""
     styles = {"fixed": {"marker": "o", "markersize": 4, "linewidth": 1.6}, "sampled": SAMPLED_LINE,
               "lookup": LOOKUP_LINE}
     without_size = False
+    if projected:
+        _projected_axis(ax, metric, list(projected), temperature, datasets, colors)
     for d in datasets:
         for kind, by in lines.items():
             rows = [s for s in by[d] if getattr(s, metric) is not None]
@@ -248,7 +155,8 @@ def _tradeoff_axis(ax, metric: str, ylabel: str, stats: list[Stats], temperature
 
 
 def _tradeoff_legend(datasets: list[str], colors: dict[str, str], lines: dict[str, dict[str, list[Stats]]],
-                     any_policy: bool, policy_without_size: bool) -> tuple[list[Line2D], list[str]]:
+                     any_policy: bool, policy_without_size: bool, projected: bool = False
+                     ) -> tuple[list[Line2D], list[str]]:
     handles = [Line2D([], [], color=colors[d], linewidth=2) for d in datasets]
     labels = [dataset_label(d) for d in datasets]
     if len(datasets) > 1:
@@ -256,7 +164,11 @@ def _tradeoff_legend(datasets: list[str], colors: dict[str, str], lines: dict[st
         labels.append("Mean over datasets")
     handles += [Line2D([], [], color="gray", marker="o", markersize=4, linewidth=1.6),
                 Line2D([], [], color="gray", linestyle="--", linewidth=1.0)]
-    labels += ["DDTree, fixed budget", "DFlash (chain)"]
+    labels += ["DDTree, fixed budget (live)", "DFlash (chain, live)"]
+    if projected:
+        handles += [Line2D([], [], color="gray", **PROJECTED_LINE),
+                    Line2D([], [], color="white", marker="*", markersize=11, markeredgecolor="gray", linestyle="none")]
+        labels += ["DDTree, fixed budget, projected (replayed on AR's text)", "auto, projected, at its mean size"]
     if any(lines["sampled"].values()):
         handles.append(Line2D([], [], color="gray", **SAMPLED_LINE))
         labels.append("DDTree sampled tree, fixed budget")
@@ -276,16 +188,20 @@ def _tradeoff_legend(datasets: list[str], colors: dict[str, str], lines: dict[st
 
 
 def plot_budget_tradeoff(stats: list[Stats], temperature: float, out_dir: str | Path, *,
-                         formats: Sequence[str] = ("png", "pdf"), subtitle: str | None = None) -> list[Path]:
+                         formats: Sequence[str] = ("png", "pdf"), subtitle: str | None = None,
+                         projected: Sequence[Stats] = ()) -> list[Path]:
     """Speedup and τ against the node budget (log2 axis), one line per dataset (plus their mean);
     DFlash as dashed reference lines, sampled trees as dash-dot lines with triangles, lookup trees as dotted lines
     with diamonds, budget policies such as ``auto`` (and DFlash's ``chain-auto``) as stars at their mean tree size."""
     datasets = [d for d, t in groups_of(stats) if t == temperature]
     lines = _tradeoff_lines(stats, temperature, datasets)
-    if not any(rows for by in lines.values() for rows in by.values()):
+    projected = [s for s in projected if s.temperature == temperature and s.dataset in datasets]
+    replayed_fixed = [s for s in projected if s.is_fixed_tree]
+    if not any(rows for by in lines.values() for rows in by.values()) and not replayed_fixed:
         return []
     colors = {d: DATASET_PALETTE[i % len(DATASET_PALETTE)] for i, d in enumerate(datasets)}
-    budgets = sorted({s.budget for by in lines.values() for rows in by.values() for s in rows})
+    budgets = sorted({s.budget for by in lines.values() for rows in by.values() for s in rows}
+                     | {s.budget for s in replayed_fixed})
 
     with matplotlib.rc_context(STYLE):
         fig = Figure(figsize=(11, 4.6), layout="constrained")
@@ -293,12 +209,13 @@ def plot_budget_tradeoff(stats: list[Stats], temperature: float, out_dir: str | 
         without_size = False
         for ax, metric, ylabel in ((axes[0], "speedup", "Speedup over AR (×)"),
                                    (axes[1], "tau", "τ (mean tokens committed per round)")):
-            without_size |= _tradeoff_axis(ax, metric, ylabel, stats, temperature, datasets, lines, colors, budgets)
+            without_size |= _tradeoff_axis(ax, metric, ylabel, stats, temperature, datasets, lines, colors, budgets,
+                                           projected)
         axes[0].set_title("Speedup")
         axes[1].set_title("Acceptance length τ")
         fig.suptitle(_title(f"DDTree budget trade-off, T = {temperature:g}", subtitle))
         any_policy = any(_policies(stats, d, temperature) for d in datasets)
-        handles, labels = _tradeoff_legend(datasets, colors, lines, any_policy, without_size)
+        handles, labels = _tradeoff_legend(datasets, colors, lines, any_policy, without_size, bool(replayed_fixed))
         fig.legend(handles, labels, loc="outside lower center", ncol=min(5, len(labels)), frameon=False)
         return _save(fig, Path(out_dir), f"budget_tradeoff_{temperature_tag(temperature)}", formats)
 
@@ -374,11 +291,12 @@ def plot_acceptance_histograms(records: Sequence[SampleRecord], stats: list[Stat
 
 def plot_all(records: Sequence[SampleRecord], stats: list[Stats], out_dir: str | Path, *,
              formats: Sequence[str] = ("png", "pdf"), fixed_budget: int | None = None,
-             subtitle: str | None = None) -> list[Path]:
-    """Every figure for every temperature present; returns the files written."""
+             subtitle: str | None = None, projected: Sequence[Stats] = ()) -> list[Path]:
+    """Every figure for every temperature present; returns the files written. ``projected``: stats of replayed
+    records (``experiments.replayed``), drawn in the budget trade-off beside the live rows."""
     paths: list[Path] = []
     for t in _temperatures(stats):
         paths += plot_speedup(stats, t, out_dir, formats=formats, fixed_budget=fixed_budget, subtitle=subtitle)
-        paths += plot_budget_tradeoff(stats, t, out_dir, formats=formats, subtitle=subtitle)
+        paths += plot_budget_tradeoff(stats, t, out_dir, formats=formats, subtitle=subtitle, projected=projected)
         paths += plot_acceptance_histograms(records, stats, t, out_dir, formats=formats, subtitle=subtitle)
     return paths

@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from experiments.schema import MANIFEST_FILENAME, RECORDS_FILENAME, Manifest, SampleRecord, read_records
+from experiments.schema import (
+    MANIFEST_FILENAME, RECORDS_FILENAME, REPLAYED_FILENAME, Manifest, SampleRecord, read_records,
+)
 
 
 @dataclass
 class Run:
-    """One run folder: its records file, its manifest (None when missing or unreadable) and its records."""
+    """One run folder: its records file, its manifest (None when missing or unreadable), its records and its
+    replayed records (``replayed.jsonl``: every policy's rounds on plain decoding's text, priced; may be empty)."""
 
     path: Path
     manifest: Manifest | None
     records: list[SampleRecord]
+    replayed: list[SampleRecord] = dataclasses.field(default_factory=list)
 
 
 def find_runs(root: str | Path) -> list[Run]:
@@ -39,9 +44,19 @@ def find_runs(root: str | Path) -> list[Run]:
                 manifest = Manifest.read(manifest_path)
             except (ValueError, TypeError) as err:
                 warnings.warn(f"{manifest_path}: unreadable manifest ignored ({err})", stacklevel=2)
-        runs.append(Run(file.parent, manifest, read_records(file)))
+        replayed = file.parent / REPLAYED_FILENAME
+        runs.append(Run(file.parent, manifest, read_records(file),
+                        read_records(replayed) if replayed.is_file() else []))
     runs.sort(key=lambda run: ((run.manifest.created_at if run.manifest else "") or "", str(run.path)))
     return runs
+
+
+def merge_replayed(runs: list[Run]) -> list[SampleRecord]:
+    """All replayed records of the runs (the newest run's copy of a repeated key)."""
+    merged: dict[tuple, SampleRecord] = {}
+    for run in runs:
+        merged.update((r.record_key(), r) for r in run.replayed)
+    return list(merged.values())
 
 
 def merge_records(runs: list[Run]) -> list[SampleRecord]:

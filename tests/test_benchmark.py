@@ -51,10 +51,16 @@ def test_presets_are_valid_and_match_the_issue():
     default, quick, paper = get_preset("default"), get_preset("quick"), get_preset("paper")
     assert set(default.datasets) == {"gsm8k", "math500", "aime24", "aime25", "humaneval", "mt-bench", "grounded"}
     assert default.methods == ("ar", "dflash", "ddtree", "pld") and default.temperatures == (0.0,)
-    assert default.lookup_budgets == (16, "auto")
+    # live by default: plain decoding, DFlash, two fixed budgets, auto, PLD, DDTree+lookup under auto; six prompts
     labels = [v.label for v in benchmark.make_variants(default)]
-    assert {"PLD", "DDTree+lookup (B=16)", "DDTree+lookup (auto)"} <= set(labels), labels
-    assert [b for b in default.budgets if isinstance(b, int)] == [2, 4, 8, 16, 32, 64]
+    assert labels == ["AR", "DFlash", "DDTree (B=8)", "DDTree (B=16)", "DDTree (auto)", "PLD",
+                      "DDTree+lookup (auto)"], labels
+    assert default.max_samples >= 6 and default.min_samples >= 6
+    full = [v.label for v in benchmark.make_variants(with_overrides(default, full=True))]
+    assert {"DDTree (B=2)", "DDTree (B=64)", "DFlash (auto)", "DDTree+lookup (B=16)"} <= set(full), full
+    # replayed: every budget 2..64, auto, the chain, PLD and the lookup trees
+    assert {2, 4, 8, 16, 32, 64, "auto", "chain"} <= set(default.replay_budgets)
+    assert set(default.replay_lookup_budgets) == {16, "auto"}
     assert {"auto", "chain-auto"} <= set(default.optional_budgets)
     assert default.models[0].target == "default" and default.models[0].draft == "default"
     assert len(quick.datasets) * quick.max_samples <= 2 and quick.max_new_tokens <= 64 and quick.budgets == (16,)
@@ -315,10 +321,12 @@ def test_size_run_follows_the_stated_rule():
     per_token = {v: 0.3 for v in variants}
     kept, report = size_run(units, per_token, 128, 720.0)
     out = report["left_out"]
-    # 1. one sample per dataset first (the second of each), 2. budgets from the outside in, 3. trailing datasets
+    # 1. one sample per dataset first (the second of each), 2. later turns, 3. budgets from the outside in,
+    # 4. trailing datasets
     assert out[:6] == [f"{d} sample {d}1" for d in sorted(datasets, reverse=True)]
-    assert out[6:11] == [f"DDTree budget {b}" for b in (128, 4, 64, 8, 32)]
-    assert all(x.startswith("dataset ") for x in out[11:]) and out[11:][0] == "dataset mt-bench"
+    assert out[6] == "mt-bench sample mt-bench0 later turns"
+    assert out[7:12] == [f"DDTree budget {b}" for b in (128, 4, 64, 8, 32)]
+    assert all(x.startswith("dataset ") for x in out[12:]) and out[12:][0] == "dataset mt-bench"
     assert report["projected_s"] <= 720.0 < report["projected_full_s"]
     left = {(u.variant.method, u.variant.budget) for u in kept}
     assert left == {("ar", None), ("dflash", None), ("ddtree", 16), ("ddtree", "auto")}
@@ -523,7 +531,8 @@ def test_manifest_is_read_once_and_written_once_per_event(tmp_path, monkeypatch)
     out = tmp_path / "events"
     args = ["--preset", "tiny", "--out", str(out), "--datasets", "gsm8k", "--max-samples", "1", "--methods", "ar,dflash"]
     assert benchmark.main(args) == 0
-    assert reads == [] and len(writes) == 3  # a new folder: session start, sizing, session end
+    # a new folder: session start, the cost curves the replay prices with, sizing, session end
+    assert reads == [] and len(writes) == 4
     reads.clear(), writes.clear()
     assert benchmark.main(args) == 0  # resumed with nothing to do: one read, start and end
     assert len(reads) == 1 and len(writes) == 2
