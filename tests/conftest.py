@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ddtree.budget import forget_shared_memory
 from dflash_core import DFlashDraftModel
 from dflash_core.config import DFlashConfig, build_target_layer_ids
+from dflash_core.timing import cache_root
 
 # Tiny models run fastest on one thread, and the suite stays fast when the machine is busy with other jobs.
 torch.set_num_threads(1)
@@ -59,3 +61,43 @@ def prompt(seed: int, length: int, vocab: int) -> torch.Tensor:
 @pytest.fixture(scope="session", params=["llama", "qwen3"])
 def family(request):
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def isolated_caches(tmp_path_factory, monkeypatch):
+    """Every test starts from empty measured caches (``$DDTREE_CACHE``: cost curves, kernel choices) and no shared
+    ``auto`` memory, so no test depends on which tests ran before it in its worker. The embedded model's dequantized
+    copy (the same weights on every machine, not a measurement) stays shared when it is complete."""
+    real = cache_root()
+    mine = tmp_path_factory.mktemp("ddtree-cache")
+    for folder in real.glob("smollm2-*") if real.is_dir() else ():
+        if (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file():
+            (mine / folder.name).symlink_to(folder, target_is_directory=True)
+    monkeypatch.setenv("DDTREE_CACHE", str(mine))
+    forget_shared_memory()
+    yield
+    forget_shared_memory()
+
+
+class TickClock:
+    """A deterministic stand-in for ``time.perf_counter``: every read is ``step`` seconds after the previous one."""
+
+    def __init__(self, step: float = 0.01) -> None:
+        self.now, self.step = 0.0, step
+
+    def perf_counter(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def steady_clocks(monkeypatch, step: float = 0.01) -> TickClock:
+    """Replace the wall clock that ``ddtree_generate(lookup=True)`` and ``auto``'s online curve read with a
+    :class:`TickClock`, so which branch they take (skip the drafter or not, the corrected curve) does not depend on
+    the machine's load."""
+    import ddtree.budget
+    import ddtree.generate
+
+    clock = TickClock(step)
+    monkeypatch.setattr(ddtree.generate, "time", clock)
+    monkeypatch.setattr(ddtree.budget, "time", clock)
+    return clock

@@ -95,13 +95,11 @@ def test_merge_keeps_the_best_nodes_of_the_union_prefix_closed():
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("budget", [8, "auto"])
-def test_ddtree_with_lookup_branches_equals_plain_decoding(temperature, budget, tmp_path, monkeypatch):
-    from conftest import make_draft
+def test_ddtree_with_lookup_branches_equals_plain_decoding(temperature, budget, monkeypatch):
+    from conftest import make_draft, steady_clocks
     from ddtree import ddtree_generate
-    from ddtree.budget import forget_shared_memory
 
-    monkeypatch.setenv("DDTREE_CACHE", str(tmp_path))  # auto's cost curve: measured once, in this test's cache
-    forget_shared_memory()
+    steady_clocks(monkeypatch)  # the rounds' clock: which rounds skip the drafter does not depend on the load
     target = make_target("llama", vocab=8, init=0.3)
     draft = make_draft(target, block_size=5)
     from_lookup = 0
