@@ -25,14 +25,21 @@ online cost curve of earlier generations with the same models in this process, s
 Tree sizes then depend on earlier prompts and on the machine's timing noise (the output never does). For
 reproducible tree sizes pass ``share_memory=False, online=False``, e.g.
 ``ddtree_generate(..., policy=make_policy("auto", target, draft, share_memory=False, online=False))``;
-:func:`forget_shared_memory` drops everything shared so far. The constructor itself reads no clock unless given one
-(``clock=time.perf_counter``), so a policy built with it is replayable (:mod:`dflash_core.replay`).
+:func:`forget_shared_memory` drops everything shared so far. What is shared is keyed by the policy's configuration
+(everything that changes what its memory records: temperature, cap, rule, kind, calibration, window, and a
+``variant`` such as lookup merging, see :meth:`AutoBudget.share_as`) and by the models' identity
+(:func:`model_identity`: never an ``id()``, which a new model can inherit after garbage collection; the weights'
+in-place versions, dtype, taps and width); a collected model's entries are dropped. The constructor itself reads
+no clock unless given one (``clock=time.perf_counter``), so a policy built with it is replayable
+(:mod:`dflash_core.replay`).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +55,7 @@ from .build import build_tree
 from .cost import CostModel, OnlineCost, context_bucket, default_cap, measure_cost_model
 
 __all__ = ["AutoBudget", "Round", "RoundMemory", "CALIBRATIONS", "RULES", "calibrated_probs", "best_prefix",
-           "truncate_tree", "forget_shared_memory"]
+           "truncate_tree", "forget_shared_memory", "model_identity"]
 
 
 # ---------------------------------------------------------------------------------------------------- the policy
@@ -225,6 +232,7 @@ class AutoBudget:
         self._pending: tuple[np.ndarray, np.ndarray, float] | None = None
         self._timing: list | None = None  # [clock at the last propose, its size, history length, tokens committed]
         self.chosen: list[int] = []  # tree size picked each round (for studies)
+        self._shared: tuple | None = None  # for_models: (memory key, online curve key) before the variant
 
     @classmethod
     def for_models(cls, target, draft, cap: int | None = None, calibrate: bool | str = True,
@@ -245,16 +253,28 @@ class AutoBudget:
         if cost is None:
             cost = measure_cost_model(target, draft, context=context_bucket(context) if context else 256, cap=cap,
                                       chain=chain, extrapolate=True)
-        memory = curve = None
+        policy = cls(cost, cap=cap, calibrate=calibrate, window=window, rule=rule, chain=chain,
+                     clock=time.perf_counter if online else None)
         if share_memory:
-            key = (cost.key or id(target), id(draft), float(temperature), cap, rule, chain, str(calibrate))
-            memory = _SHARED_MEMORY.setdefault(key, RoundMemory(window))
-            if online:
-                curve = _SHARED_CURVES.setdefault((cost, id(target), id(draft), cap, chain), OnlineCost(cost))
-        policy = cls(cost, cap=cap, calibrate=calibrate, window=window, rule=rule, chain=chain, memory=memory,
-                     clock=time.perf_counter if online else None, online_cost=curve)
+            models = (model_identity(target), model_identity(draft))
+            policy._shared = (models + (cost.key, float(temperature), cap, rule, chain, str(calibrate), window),
+                              (models + (cost, cap, chain)) if online else None)
+            policy.share_as(())
         policy.calibration_s = cost.measured_s
         return policy
+
+    def share_as(self, variant: tuple) -> None:
+        """Continue the shared round memory and online curve of ``for_models`` policies of this ``variant`` (a
+        hashable tuple; ``()``: plain ``auto``). A policy that sizes other rounds than its own -- ``auto`` inside a
+        :class:`~ddtree.lookup.LookupTreePolicy` books drafter nodes of merged trees and times merged rounds -- must
+        not teach plain ``auto`` (nor learn from it). Nothing happens for a policy that shares nothing."""
+        if self._shared is None:
+            return
+        memory_key, curve_key = self._shared
+        self.memory = _SHARED_MEMORY.setdefault(memory_key + (variant,), RoundMemory(self.memory.window))
+        if curve_key is not None:
+            self.online_cost = _SHARED_CURVES.setdefault(curve_key + (variant,), OnlineCost(self.cost))
+            self._seconds = self._round_seconds()
 
     @property
     def curve(self) -> CostModel:
@@ -349,13 +369,53 @@ class AutoBudget:
         return np.asarray(self.curve.round_seconds(np.arange(self.cap + 1)), dtype=float)
 
 
-_SHARED_MEMORY: dict[tuple, RoundMemory] = {}  # what for_models policies learnt, per models and policy kind
-_SHARED_CURVES: dict[tuple, OnlineCost] = {}  # their online cost curves, per measured curve, models, kind
+_SHARED_MEMORY: dict[tuple, RoundMemory] = {}  # what for_models policies learnt, per models and configuration
+_SHARED_CURVES: dict[tuple, OnlineCost] = {}  # their online cost curves, per models, measured curve, kind
+_TOKENS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its token (lives as long as it does)
+_NEXT_TOKEN = itertools.count(1)
+
+
+def model_identity(model) -> tuple:
+    """What shared ``auto`` state is keyed by for ``model`` (None for no model): (token, weights, dtype, shape).
+
+    ``token``: a number given to this object on first use and never given again, so a model created after another
+    was collected does not inherit its memory (as it would an ``id()``); when the model is collected its entries are
+    dropped. ``weights``: each parameter's and buffer's storage and version counter, which every in-place edit
+    under torch (``load_state_dict``, ``p.mul_(...)`` under ``no_grad``) advances (an edit through ``p.data``
+    bypasses the counter: call :func:`forget_shared_memory` after one). ``shape``: for a drafter the target layers
+    it reads (taps), its width, block size and draft vocabulary size; for a target its width, depth and vocabulary."""
+    if model is None:
+        return (None,)
+    token = _TOKENS.get(model)
+    if token is None:
+        token = _TOKENS[model] = next(_NEXT_TOKEN)
+        weakref.finalize(model, _forget_model, token)
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    weights = hash(tuple((t.data_ptr(), _version(t)) for t in tensors))
+    cfg = model.config
+    shape = (tuple(getattr(cfg, "target_layer_ids", ())), cfg.hidden_size, getattr(cfg, "block_size", None),
+             getattr(cfg, "draft_vocab_size", None), cfg.num_hidden_layers, cfg.vocab_size)
+    return token, weights, str(next(model.parameters()).dtype), shape
+
+
+def _version(tensor: torch.Tensor) -> int:
+    """The tensor's in-place version counter (-1 for a tensor made under ``torch.inference_mode``: it keeps none)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return -1
+
+
+def _forget_model(token: int) -> None:
+    """A model was collected: drop the shared state keyed by it (its token is never used again)."""
+    for shared in (_SHARED_MEMORY, _SHARED_CURVES):
+        for key in [k for k in shared if token in (k[0][0], k[1][0])]:
+            del shared[key]
 
 
 def forget_shared_memory() -> None:
     """Drop what ``AutoBudget.for_models`` policies learnt in this process: round memories and online cost curves
-    (tests, a changed workload, or a reproducible run after others)."""
+    (tests, a changed workload, weights edited through ``.data``, or a reproducible run after others)."""
     _SHARED_MEMORY.clear()
     _SHARED_CURVES.clear()
 

@@ -100,6 +100,8 @@ class LookupTreePolicy:
         self.auto = budget if isinstance(budget, AutoBudget) else None
         if self.auto is not None and self.auto.chain:
             raise ValueError("lookup branches join trees: use budget='auto', not 'chain-auto'")
+        if self.auto is not None:  # its rounds are merged trees: a memory apart from plain auto's
+            self.auto.share_as(("lookup", max_ngram, num_tokens))
         self.budget = self.auto.cap if self.auto is not None else int(budget)
         self.max_ngram, self.num_tokens = max_ngram, num_tokens
         self.name = "lookup-auto" if self.auto is not None else f"lookup-tree-{budget}"
