@@ -294,7 +294,7 @@ def _fixed_seconds(adapter: TargetAdapter, draft, context: int, repeats: int, ca
 
     def draft_round():  # the loop's draft step and the policy's proposal
         propose(decoding.draft_block(draft, adapter, root, feats[context - new:], context, draft_cache,
-                                     compact=compact), [])
+                                     compact=compact), [root])  # the loop's history ends with the root
         draft_cache.crop(context - new)
 
     return median_seconds(draft_round, repeats, adapter.device, warmup=1)
