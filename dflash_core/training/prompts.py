@@ -1,7 +1,7 @@
 """Training prompts for a DFlash drafter, from sources that are all legal to use and all offline.
 
 A drafter learns to predict what its *target* will say, so the responses to these prompts are the target's own
-(:mod:`.respond`, :mod:`.generate`), never reference answers. Prompt sources:
+(:mod:`.generate`, :mod:`.datagen`), never reference answers. Prompt sources:
 
 * ``gsm8k`` / ``math500`` / ``humaneval``: :func:`dflash_core.data.training_split`, i.e. pool items the benchmark
   can never select (the test suite checks the ids against :func:`dflash_core.data.benchmark_pool_ids`);
@@ -10,7 +10,8 @@ A drafter learns to predict what its *target* will say, so the responses to thes
 * ``math-templates``: self-written arithmetic word problems and small algebra exercises with random numbers;
 * ``chat``: self-written seed topics crossed with instruction templates (tips, explanations, emails, stories, ...);
 * ``package-docs``: coding and explanation tasks from the docstrings of the installed packages (their licences are
-  in the text corpus's manifest, :mod:`.textcorpus`).
+  in the text corpus's manifest, :mod:`.textcorpus`, except for those of SWE-bench Lite's repositories, which the
+  corpus does not read but this pool keeps: committed shards name its prompts, see :func:`.textcorpus.package_files`).
 """
 
 from __future__ import annotations
@@ -123,34 +124,31 @@ def _package_docstrings() -> tuple[tuple[str, str], ...]:
     DOC_PROMPT_PACKAGES, found by a pattern over the source text (no import, no parse: a few seconds)."""
     import re
 
-    from .textcorpus import _module_name, corpus_sources
+    from .textcorpus import _module_name, package_files
 
     pattern = re.compile(r'^(?:def|class)\s+([A-Za-z]\w*)\b[^\n]*:[ \t]*\n[ \t]+[rRuU]?("""|\'\'\')(.*?)(?:\n[ \t]*\n|\2)',
                          re.MULTILINE | re.DOTALL)
     found: dict[str, str] = {}
-    for source in corpus_sources():
-        if source.name not in ("package-code", "package-math"):
+    site, files, _ = package_files(DOC_PROMPT_PACKAGES, benchmark_repositories=True)  # the pool committed shards name
+    for rel in files:
+        private = rel.name.startswith("_") and rel.name != "__init__.py"
+        if private or any(part.startswith("_") or part in ("tests", "testing") for part in rel.parts[:-1]):
             continue
-        for rel in source.files:
-            private = rel.name.startswith("_") and rel.name != "__init__.py"
-            if rel.parts[0] not in DOC_PROMPT_PACKAGES or private or any(
-                    part.startswith("_") or part in ("tests", "testing") for part in rel.parts[:-1]):
-                continue
-            try:
-                text = (source.root / rel).read_text(encoding="utf-8")
-            except (UnicodeDecodeError, OSError):
-                continue
-            module = _module_name(rel)
-            for match in pattern.finditer(text):
-                line = " ".join(match.group(3).split())
-                if 12 <= len(line) <= 300 and not line.startswith(("(", "[", ">>>", "..")):
-                    found.setdefault(f"{module}.{match.group(1)}", line)
+        try:
+            text = (site / rel).read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        module = _module_name(rel)
+        for match in pattern.finditer(text):
+            line = " ".join(match.group(3).split())
+            if 12 <= len(line) <= 300 and not line.startswith(("(", "[", ">>>", "..")):
+                found.setdefault(f"{module}.{match.group(1)}", line)
     return tuple(sorted(found.items()))
 
 
 def package_doc_prompts(limit: int = 5000, seed: int = 0) -> list[PromptItem]:
     """Coding / explanation tasks from the first docstring paragraph of public module-level functions and classes of
-    the installed packages the text corpus reads (:mod:`.textcorpus`), ``limit`` of them in a seeded choice. The
+    the installed DOC_PROMPT_PACKAGES (:func:`.textcorpus.package_files`), ``limit`` of them in a seeded choice. The
     prompts change with the installed versions: shards keep the prompt keys, and a prompt that no longer rebuilds is
     skipped at load time (:func:`.corpus.load_corpus`)."""
     found = dict(_package_docstrings())

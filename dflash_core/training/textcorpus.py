@@ -40,7 +40,7 @@ from typing import Iterator
 from ..data import SHINGLE_WORDS, shingles
 
 __all__ = ["TextItem", "TextSource", "corpus_sources", "corpus_manifest", "iter_items", "benchmark_shingles",
-           "CODE_PACKAGES", "MATH_PACKAGES", "SWE_BENCH_LITE_REPOSITORIES"]
+           "package_files", "CODE_PACKAGES", "MATH_PACKAGES", "SWE_BENCH_LITE_REPOSITORIES"]
 
 # SWE-bench Lite's repositories (its tasks are their issues): distribution name and the import names of their code
 SWE_BENCH_LITE_REPOSITORIES = {
@@ -97,20 +97,29 @@ def _licence(dist: importlib.metadata.Distribution) -> str:
     return ", ".join(classifiers) or "not stated"
 
 
-def _package_files(packages: tuple[str, ...]) -> tuple[Path | None, list[Path], list[tuple[str, str, str]]]:
-    """The ``.py`` files of the installed ``packages`` (top-level import names) and their distributions, less the
-    excluded distributions and any folder named like an excluded package (a vendored copy)."""
+def package_files(packages: tuple[str, ...], benchmark_repositories: bool = False
+                  ) -> tuple[Path, list[Path], list[tuple[str, str, str]]]:
+    """(site-packages folder, the ``.py`` files of the installed ``packages`` (top-level import names) relative to
+    it, their distributions), less the excluded distributions and, unless ``benchmark_repositories``, the code of
+    SWE-bench Lite's repositories: theirs and any folder named like one of their packages (a vendored copy).
+
+    ``benchmark_repositories=True`` serves the training prompt pool's package-docs questions
+    (:mod:`.prompts`), whose keys committed shards name: there a docstring's first paragraph is the prompt and the
+    target's own answer the label, never the repository's text."""
     site = Path(sysconfig.get_paths()["purelib"])
     owners = importlib.metadata.packages_distributions()  # import name -> distribution names
+    refused = frozenset() if benchmark_repositories else EXCLUDED_PACKAGES
+    refused_dists = set(EXCLUDED_DISTRIBUTIONS) - (set(d for d, _ in SWE_BENCH_LITE_REPOSITORIES.values())
+                                                   if benchmark_repositories else set())
     files, dists = [], []
     for top in packages:
         folder = site / top
         dist = importlib.metadata.distribution(owners[top][0]) if owners.get(top) else None
-        if (not folder.is_dir() or dist is None or top in EXCLUDED_PACKAGES
-                or dist.metadata["Name"].lower().replace("_", "-") in EXCLUDED_DISTRIBUTIONS):
+        if (not folder.is_dir() or dist is None or top in refused
+                or dist.metadata["Name"].lower().replace("_", "-") in refused_dists):
             continue
         found = sorted(rel for rel in (p.relative_to(site) for p in folder.rglob("*.py"))
-                       if "__pycache__" not in rel.parts and EXCLUDED_PACKAGES.isdisjoint(rel.parts[:-1]))
+                       if "__pycache__" not in rel.parts and refused.isdisjoint(rel.parts[:-1]))
         if found:
             files += found
             dists.append((dist.metadata["Name"], dist.version, _licence(dist)))
@@ -131,8 +140,8 @@ def corpus_sources() -> list[TextSource]:
     code_std = sorted(p.relative_to(stdlib) for p in py if p not in set(math_std))
     tests = sorted(p.relative_to(stdlib) for p in (stdlib / "test").rglob("*.py") if "__pycache__" not in p.parts)
     python = ("Python", sysconfig.get_python_version(), "PSF-2.0")
-    site, code_pkg, code_dists = _package_files(CODE_PACKAGES)
-    _, math_pkg, math_dists = _package_files(MATH_PACKAGES)
+    site, code_pkg, code_dists = package_files(CODE_PACKAGES)
+    _, math_pkg, math_dists = package_files(MATH_PACKAGES)
     sources = [
         TextSource("stdlib-code", "code", stdlib, tuple(code_std), (python,)),
         TextSource("stdlib-tests", "code", stdlib, tuple(tests), (python,)),
