@@ -29,10 +29,12 @@ import torch
 
 from dflash_core import Chain, GenerationResult, speculative_generate
 from dflash_core.decoding import validate_request
+from dflash_core.policy import BlockPolicy, DraftBlock, as_block
 from dflash_core.target import check_tree_attention
 
 from .budget import AutoBudget
 from .build import build_tree
+from .conditioned import build_markov_tree
 from .lookup import LookupTreePolicy
 from .sampled import SampledTreePolicy
 from dflash_core.tree import DraftTree
@@ -55,8 +57,10 @@ def parse_budget(budget) -> int | str:
     return int(budget)
 
 
-class FixedBudget:
-    """The best tree of at most ``budget`` nodes under the drafter's factorized distribution, every round."""
+class FixedBudget(BlockPolicy):
+    """The best tree of at most ``budget`` nodes under the drafter's distribution, every round: the factorized one
+    (:func:`build_tree`), or for a drafter with a Markov head the conditioned one, each node's children drawn from
+    the distribution given that node's own token (:func:`ddtree.conditioned.build_markov_tree`)."""
 
     uses_draft = True
 
@@ -66,9 +70,11 @@ class FixedBudget:
             raise ValueError(f"FixedBudget needs an int budget >= 0, got {budget!r}")
         self.name = f"fixed-{budget}"
 
-    def propose(self, draft_logits: torch.Tensor, history: list[int], token_map: torch.Tensor | None = None
-                ) -> DraftTree:
-        return build_tree(draft_logits, self.budget, token_map=token_map)
+    def propose(self, block: DraftBlock, history: list[int], token_map: torch.Tensor | None = None) -> DraftTree:
+        block = as_block(block, history, token_map)  # logits from a wrapper written to the older contract
+        if block.scorer is not None:
+            return build_markov_tree(block.scorer, self.budget, block.root, block.token_map)
+        return build_tree(block.logits, self.budget, token_map=block.token_map)
 
 
 def make_policy(budget, target=None, draft=None, tree: str = "topk", temperature: float = 0.0, seed: int = 0,

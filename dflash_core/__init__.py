@@ -7,7 +7,6 @@ for the round functions, ``dflash_core.target`` for the adapter, ``dflash_core.c
 from .decoding import (
     Chain,
     GenerationResult,
-    NoDraft,
     ProposalPolicy,
     autoregressive_generate,
     dflash_generate,
@@ -15,10 +14,11 @@ from .decoding import (
 )
 from .lookup import lookup_generate
 from .model import DFlashDraftModel, load_draft
+from .policy import BlockPolicy, DraftBlock
 from .target import IncompatibleModelError, check_compatibility
 
 __all__ = [
-    "Chain", "DFlashDraftModel", "GenerationResult", "IncompatibleModelError", "NoDraft", "ProposalPolicy",
+    "BlockPolicy", "Chain", "DFlashDraftModel", "DraftBlock", "GenerationResult", "IncompatibleModelError", "ProposalPolicy",
     "autoregressive_generate", "check_compatibility", "dflash_generate", "load_default_pair", "load_draft",
     "lookup_generate", "speculative_generate",
 ]

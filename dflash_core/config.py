@@ -116,6 +116,8 @@ class DFlashConfig:
     layer_types: tuple[str, ...] | None = None  # per layer "full_attention" / "sliding_attention"; None = all full
     sliding_window: int | None = None  # keys further than this from a query are hidden in sliding layers
     is_causal: bool | None = None  # z-lab's switch: None = causal in sliding layers only, bidirectional elsewhere
+    markov_rank: int | None = None  # a Markov head (dflash_core.markov) of this rank; None = none (z-lab drafters)
+    markov_kind: str = "token"  # "token" (bias from the previous token) or "gated" (also by the drafter's state)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -142,6 +144,9 @@ class DFlashConfig:
             object.__setattr__(self, "layer_types", None if set(types) == {"full_attention"} else types)
         if self.layer_types is None:
             object.__setattr__(self, "sliding_window", None)  # only meaningful with sliding layers
+        if self.markov_rank is not None and (int(self.markov_rank) < 1 or self.markov_kind not in ("token", "gated")):
+            raise ValueError(f"markov_head needs a rank >= 1 and a kind 'token' or 'gated', got rank "
+                             f"{self.markov_rank}, kind {self.markov_kind!r}")
         if self.rope_scaling is not None:  # validated; {"rope_type": "default"} becomes None
             object.__setattr__(self, "rope_scaling", rope_settings({"rope_scaling": self.rope_scaling})[1])
 
@@ -182,6 +187,8 @@ class DFlashConfig:
         )
         if self.draft_vocab_size is not None:
             out["draft_vocab_size"] = self.draft_vocab_size
+        if self.markov_rank is not None:
+            out["markov_head"] = {"rank": self.markov_rank, "kind": self.markov_kind}
         out["layer_types"] = list(self.layer_types or ["full_attention"] * self.num_hidden_layers)
         out["sliding_window"] = self.sliding_window
         out["use_sliding_window"] = self.layer_types is not None
@@ -236,6 +243,9 @@ class DFlashConfig:
         if num_target_layers is None:
             num_target_layers = max(layer_ids) + 3  # the spread rule ends at layer L-3
         # attention per layer: explicit layer_types, or Qwen2/3's use_sliding_window + max_window_layers rule
+        markov = raw.pop("markov_head", None) or {}
+        if markov and not isinstance(markov, dict):
+            raise ValueError(f"markov_head must be an object {{'rank': int, 'kind': 'token' | 'gated'}}, got {markov!r}")
         layer_types = raw.pop("layer_types", None)
         use_sliding = bool(raw.pop("use_sliding_window", False))
         if layer_types is None and use_sliding:
@@ -257,6 +267,8 @@ class DFlashConfig:
             rope_theta=DEFAULT_ROPE_THETA if rope_theta is None else float(rope_theta),
             rope_scaling=rope_scaling,
             layer_types=None if layer_types is None else tuple(layer_types),
+            markov_rank=None if not markov else int(markov.get("rank", 0)),
+            markov_kind=str(markov.get("kind", "token")),
             extra=raw,
             **kwargs,
         )

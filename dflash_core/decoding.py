@@ -16,7 +16,6 @@ target's distribution was computed in advance; it never changes which token is d
 
 from __future__ import annotations
 
-import inspect
 import math
 import numbers
 import time
@@ -25,7 +24,12 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
+from .markov import markov_scorer
 from .model import DFlashDraftModel, DraftCache
+from .policy import (
+    BlockPolicy, Chain, DraftBlock, NoDraft, Proposal, ProposalPolicy, check_proposal, check_structure,
+    drafter_wanted, observer, proposer,
+)
 from .target import TargetAdapter, check_compatibility
 from .timing import StageTimer
 from .tree import ROOT, DraftTree, child_index
@@ -34,82 +38,11 @@ __all__ = [
     "GenerationResult", "Proposal", "ProposalPolicy", "NoDraft", "Chain", "check_proposal", "compile_proposal",
     "follow", "speculative_generate", "autoregressive_generate", "dflash_generate", "draft_states", "draft_block",
     "verify_proposal", "commit_path", "truncate_at_stop", "validate_request", "prefill", "proposer", "drafter_wanted",
+    "draft_round", "make_block", "check_structure",
 ]
 
 
-# ---------------------------------------------------------------------------------------------------- proposals
-class Proposal(Protocol):
-    """What the loop reads of a round's draft tree: node i has token ``token_ids[i]``, parent ``parents[i]`` (-1 =
-    root), depth ``depths[i]``. Every built-in policy returns a :class:`~dflash_core.tree.DraftTree` (chains
-    included: they are verified under the causal mask); a policy may return any object with these members."""
-
-    token_ids: torch.Tensor  # [n] int64
-    parents: torch.Tensor  # [n] int64, parents[i] < i
-    depths: torch.Tensor  # [n] int64, 1-based
-
-    def visibility(self) -> torch.Tensor | None:
-        """[n+1, n+1] bool ancestor-or-self matrix (index 0 = root), or None when causal order is exact (a chain)."""
-
-    def expected_acceptance(self) -> float:
-        """Expected committed tokens per round under the drafter's factorized distribution (bonus included)."""
-
-
-class ProposalPolicy(Protocol):
-    name: str
-    uses_draft: bool
-
-    # Optional: ``observe(accepted: int[, path: list[int]])`` is called after each round with the number of draft
-    # tokens accepted and, when it takes a second argument, the accepted nodes' indices (adaptive policies learn).
-
-    def propose(self, draft_logits: torch.Tensor | None, history: list[int], token_map: torch.Tensor | None = None
-                ) -> Proposal:
-        """draft_logits: [b-1, V] float32, row d-1 = the drafter's logits for depth d (None when uses_draft is
-        False); history: prompt + generated tokens so far, the root (last committed token) last.
-
-        ``token_map`` is optional in a policy's signature. A policy whose ``propose`` takes it gets COMPACT logits
-        [b-1, V'] over the drafter's draft vocabulary, column j being target token ``token_map[j]`` (None: the
-        drafter drafts over the whole vocabulary, column j is token j); the proposal's token ids are target ids.
-        A policy without it gets rows over the whole target vocabulary, -inf outside the draft vocabulary.
-        """
-
-
-class NoDraft:
-    """Propose nothing: each round commits exactly the target's own next token (plain decoding)."""
-
-    name, uses_draft = "ar", False
-
-    def propose(self, draft_logits: torch.Tensor | None, history: list[int], token_map=None) -> DraftTree:
-        return DraftTree.empty()
-
-
-class Chain:
-    """DFlash: the drafter's top-1 token at every depth, as one branch."""
-
-    name, uses_draft = "chain", True
-
-    def propose(self, draft_logits: torch.Tensor, history: list[int], token_map: torch.Tensor | None = None
-                ) -> DraftTree:
-        logp = torch.log_softmax(draft_logits.float(), dim=-1)  # [b-1, V]
-        best, tokens = logp.max(dim=-1)
-        if token_map is not None:  # draft columns -> target ids
-            tokens = token_map.to(tokens.device)[tokens]
-        return DraftTree.chain(tokens.cpu(), best.cpu())
-
-
 # ---------------------------------------------------------------------------------------------------- verification
-def check_proposal(proposal: Proposal) -> None:
-    """Raise ValueError naming what is wrong with a policy's tree: the structure of :meth:`DraftTree.validate`
-    (parents first, 1-based depths that follow the parents, distinct sibling tokens; best-first order is not
-    required). Nodes may lie deeper than the drafted block (a lookup continuation does)."""
-    tree = proposal if isinstance(proposal, DraftTree) else DraftTree(
-        proposal.token_ids.cpu().long(), proposal.parents.cpu().long(), proposal.depths.cpu().long(),
-        torch.full((len(proposal.token_ids),), math.nan, dtype=torch.float64))
-    try:
-        tree.validate(best_first=False)
-    except ValueError as error:
-        raise ValueError(f"the policy proposed an invalid tree: {error}") from None
-
-
 def compile_proposal(proposal: Proposal, root: int, start: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Flatten root + nodes for one target forward.
@@ -168,49 +101,6 @@ def verify_walk(
     if verify is not None:
         return verify(logits, temperature, generator)
     return follow(proposal.token_ids, proposal.parents, logits, temperature, generator)
-
-
-def observer(policy):
-    """The policy's feedback hook as ``f(path)`` (None when it has none): ``observe(len(path), path)`` when its
-    ``observe`` takes the accepted nodes too, else ``observe(len(path))``."""
-    observe = getattr(policy, "observe", None)
-    if observe is None:
-        return None
-    try:
-        params = list(inspect.signature(observe).parameters.values())
-        takes_path = len(params) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
-    except (TypeError, ValueError):  # a builtin without a signature
-        takes_path = False
-    if takes_path:
-        return lambda path: observe(len(path), path)
-    return lambda path: observe(len(path))
-
-
-def drafter_wanted(policy):
-    """``f(history) -> bool``: whether this round runs the drafter. True every round for a policy that uses it,
-    unless it has ``wants_draft(history)`` (a lookup policy may skip the pass when the context is reliable enough:
-    it then gets ``draft_logits=None``); False for policies that never use it."""
-    if not policy.uses_draft:
-        return lambda history: False
-    return getattr(policy, "wants_draft", None) or (lambda history: True)
-
-
-def proposer(policy):
-    """(``f(drafted, history) -> proposal``, whether the policy takes compact logits): ``drafted`` is what
-    :func:`draft_block` returned (None when the policy does not use the drafter). A policy whose ``propose`` takes
-    ``token_map`` gets the compact logits and their id map; any other gets full-vocabulary rows."""
-    try:
-        compact = "token_map" in inspect.signature(policy.propose).parameters
-    except (TypeError, ValueError):  # a builtin without a signature
-        compact = False
-    if not compact:
-        return policy.propose, False
-
-    def propose(drafted, history):
-        logits, token_map = (None, None) if drafted is None else drafted
-        return policy.propose(logits, history, token_map=token_map)
-
-    return propose, True
 
 
 def truncate_at_stop(tokens: list[int], stops: set[int], room: int) -> tuple[list[int], bool]:
@@ -331,6 +221,20 @@ def draft_block(draft: DFlashDraftModel, adapter: TargetAdapter, root: int, pend
     return adapter.draft_logits(states, draft) if compact else adapter.lm_head(states, draft)
 
 
+def make_block(draft: DFlashDraftModel, adapter: TargetAdapter, states: torch.Tensor, root: int) -> DraftBlock:
+    """A :class:`DraftBlock` from the drafter's output states [b-1, H] of a block rooted at ``root``: compact logits
+    over the draft vocabulary and, for a drafter with a Markov head, its conditional scorer."""
+    logits, token_map = adapter.draft_logits(states, draft)
+    return DraftBlock(logits, token_map, root, adapter.vocab_size, states, markov_scorer(draft, logits, states))
+
+
+def draft_round(draft: DFlashDraftModel, adapter: TargetAdapter, root: int, pending: torch.Tensor, start: int,
+                draft_cache: DraftCache, block_size: int | None = None) -> DraftBlock:
+    """Step 1, draft, as the loop runs it: one drafter pass, returned as the round's :class:`DraftBlock`."""
+    states = draft_states(draft, adapter, root, pending, start, draft_cache, block_size)[1:]  # [b-1, H]
+    return make_block(draft, adapter, states, root)
+
+
 def verify_proposal(adapter: TargetAdapter, cache, proposal: Proposal, root: int, start: int,
                     with_features: bool):
     """Step 2, verify: one target forward over root + the proposal's nodes on top of the ``start`` cached tokens,
@@ -369,8 +273,9 @@ def speculative_generate(
 ) -> GenerationResult:
     """Generate with ``policy`` deciding each round's draft tree. See the module docstring for why it is lossless.
 
-    ``check_trees``: validate every proposed tree (:func:`check_proposal`) before it is verified; for developing a
-    policy (a tree with 0-based depths, say, would otherwise run and merely accept less)."""
+    Every round the tree's structure is checked (:func:`check_structure`: what positions, mask and cache rely on);
+    ``check_trees`` adds the costlier checks of :func:`check_proposal` (distinct sibling tokens), for developing a
+    policy."""
     adapter, stops = _prepare(target, draft, input_ids, policy, max_new_tokens, temperature, stop_token_ids,
                               block_size)
     device, uses_draft = adapter.device, policy.uses_draft
@@ -386,15 +291,16 @@ def speculative_generate(
     history = input_ids[0].tolist() + [root]
     done = root in stops or max_new_tokens <= 1
     observe = observer(policy)  # optional feedback hook: the nodes accepted this round
-    propose, compact = proposer(policy)  # compact: draft logits over the draft vocabulary plus their id map
+    propose, _ = proposer(policy)  # the policy's view of the round's DraftBlock
     wanted, t_loop = drafter_wanted(policy), time.perf_counter()
     while not done:
         drafted = None
         if wanted(history):
-            with timer.stage("draft"):  # [b-1, V] logits, or ([b-1, V'] logits, [V'] id map) when compact
-                drafted = draft_block(draft, adapter, root, pending, start, draft_cache, block_size, compact)
+            with timer.stage("draft"):  # the round's DraftBlock: [b-1, V'] logits, id map, states, Markov scorer
+                drafted = draft_round(draft, adapter, root, pending, start, draft_cache, block_size)
         with timer.stage("tree"):
             proposal = propose(drafted, history)
+            check_structure(proposal, policy.name)
             if check_trees:
                 check_proposal(proposal)
         with timer.stage("verify"):

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import DFlashConfig
+from .markov import MarkovHead
 
 __all__ = ["DFlashDraftModel", "DraftCache", "load_draft", "rope_frequencies", "window_mask"]
 
@@ -278,6 +279,8 @@ class DFlashDraftModel(nn.Module):
             self.register_buffer("draft_vocab", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         else:
             self.draft_vocab = None
+        self.markov = None if config.markov_rank is None else MarkovHead(
+            config.draft_vocab_size or config.vocab_size, config.hidden_size, config.markov_rank, config.markov_kind)
         self._head_rows: tuple | None = None  # (weight, version, rows of the target head for draft_vocab)
 
     @property
@@ -299,8 +302,9 @@ class DFlashDraftModel(nn.Module):
         if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
             raise ValueError(f"draft vocabulary ids must lie in [0, {self.config.vocab_size}) and be non-empty")
         device = next(self.parameters()).device
-
-
+        if self.markov is not None and self.markov.vocab != len(ids):
+            raise ValueError(f"this drafter's Markov head covers {self.markov.vocab} draft tokens: a vocabulary of "
+                             f"{len(ids)} needs a new head (dflash_core.markov.attach_markov_head)")
         self.config = dataclasses.replace(self.config, draft_vocab_size=int(ids.numel()))
         if "draft_vocab" in self._buffers:
             del self._buffers["draft_vocab"]

@@ -28,7 +28,8 @@ import torch
 
 from .blocks import block_attention_mask, block_inputs
 from .decoding import (
-    ProposalPolicy, autoregressive_generate, drafter_wanted, observer, proposer, truncate_at_stop, verify_walk,
+    ProposalPolicy, autoregressive_generate, check_structure, drafter_wanted, make_block, observer, proposer,
+    truncate_at_stop, verify_walk,
 )
 from .target import TargetAdapter
 
@@ -98,7 +99,7 @@ def replay(target, draft, policy: ProposalPolicy, ids: torch.Tensor, prompt_len:
     anchor = prompt_len
     result = ReplayResult([], [])
     observe = observer(policy)
-    propose, compact = proposer(policy)
+    propose, _ = proposer(policy)
     wanted = drafter_wanted(policy)
     while not done:
         if anchor - prompt_len >= len(hidden):
@@ -107,8 +108,9 @@ def replay(target, draft, policy: ProposalPolicy, ids: torch.Tensor, prompt_len:
         drafted = None
         if wanted(history):  # as the loop: the policy may skip the drafter this round
             states = hidden[anchor - prompt_len].to(adapter.device)  # [b-1, H]
-            drafted = adapter.draft_logits(states, draft) if compact else adapter.lm_head(states, draft)
+            drafted = make_block(draft, adapter, states, history[-1])
         proposal = propose(drafted, history)
+        check_structure(proposal, getattr(policy, "name", type(policy).__name__))
         # the target's greedy choice after a node at depth d is the continuation's token at anchor + d + 1 (only
         # nodes on the continuation's path are ever reached by the walk); past the end: a token no child carries
         depths = torch.cat([torch.zeros(1, dtype=torch.long), proposal.depths.cpu().long()])

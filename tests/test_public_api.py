@@ -82,12 +82,13 @@ class ZeroBasedDepths:
         return DraftTree(tree.token_ids, tree.parents, tree.depths - 1, tree.log_probs)
 
 
-def test_check_trees_catches_a_policy_with_zero_based_depths():
+@pytest.mark.parametrize("check_trees", [False, True])
+def test_the_loop_refuses_a_policy_with_zero_based_depths(check_trees):
     target = make_target(vocab=64)
     draft = make_draft(target)
     ids = prompt(1, 8, 64)
-    with pytest.raises(ValueError, match="invalid tree: node 0 has depth 0"):
-        ddtree_generate(target, draft, ids, policy=ZeroBasedDepths(), max_new_tokens=8, check_trees=True)
+    with pytest.raises(ValueError, match="'zero-based' proposed an invalid tree at node 0 .*depth 0"):
+        ddtree_generate(target, draft, ids, policy=ZeroBasedDepths(), max_new_tokens=8, check_trees=check_trees)
 
 
 def test_policy_together_with_budget_is_refused():

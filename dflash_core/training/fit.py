@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..files import write_text_atomic
+from ..markov import MARKOV_KINDS, attach_markov_head
 from ..model import DFlashDraftModel, load_draft
 from .config import DraftSpec, TrainConfig, make_draft_config
 from .corpus import build_draft_vocab, load_corpus, vocab_coverage
@@ -118,6 +119,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-len", type=int, default=768)
     p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--eval-prompts", type=int, default=6)
+    p.add_argument("--markov-rank", type=int, default=0,
+                   help="give the drafter a Markov head of this rank (0: none; an --init drafter's head is kept)")
+    p.add_argument("--markov-kind", choices=MARKOV_KINDS, default="token")
+    p.add_argument("--no-feature-cache", action="store_true",
+                   help="do not keep recomputed target features in memory (a run shorter than one epoch never "
+                        "reuses them; a long run over token-only shards needs ~6 KB per token)")
+    p.add_argument("--train-only", choices=["all", "markov"], default="all",
+                   help="'markov': train the Markov head alone, the drafter's layers frozen")
     p.add_argument("--eval", choices=["replay", "live"], default="replay",
                    help="tau during training: replayed from greedy continuations (fast) or the live decode loop")
     p.add_argument("--threads", type=int, default=None)
@@ -150,7 +159,16 @@ def build_drafter(a: argparse.Namespace, target, data, stops, out: Path, log):
         draft.set_draft_vocab(vocab)
         coverage = vocab_coverage(data.held_responses or data.responses[:50], vocab)
         log(f"draft vocabulary: {len(vocab)} ids, held-out token coverage {coverage:.4f}")
-    log(f"drafter: {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M parameters, "
+    if a.markov_rank and draft.markov is None:
+        attach_markov_head(draft, a.markov_rank, a.markov_kind)
+        log(f"markov head: rank {a.markov_rank}, kind {a.markov_kind} (new, zero output: starts as the drafter)")
+    if a.train_only == "markov":
+        if draft.markov is None:
+            raise SystemExit("--train-only markov needs a Markov head: pass --markov-rank or an --init drafter with one")
+        for name, p in draft.named_parameters():
+            p.requires_grad_(name.startswith("markov."))
+    log(f"drafter: {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M parameters "
+        f"({sum(p.numel() for p in draft.parameters() if p.requires_grad) / 1e6:.2f}M trained), "
         f"taps {list(draft.config.target_layer_ids)}")
     return draft, coverage
 
@@ -178,7 +196,7 @@ def main(argv=None) -> None:
                       warmup_frac=a.warmup_frac, steps=a.steps, max_len=a.max_len, distill_weight=a.distill_weight,
                       distill_topk=8, loss_vocab=loss_vocab, eval_every=a.eval_every, eval_prompts=a.eval_prompts,
                       eval_new_tokens=64, seed=a.seed,
-                      cache_features=not data.has_features,  # keep recomputed features
+                      cache_features=not data.has_features and not a.no_feature_cache,  # keep recomputed ones
                       time_budget_s=a.minutes * 60 if a.minutes else None)
     make_eval = replay_evaluator if a.eval == "replay" else (
         lambda t, p, n, s: tau_evaluator(t, tokenizer, p, n, s))

@@ -20,6 +20,7 @@ from typing import Sequence
 
 import torch
 
+from ..markov import draft_index
 from .blocks import block_attention_mask, block_inputs, position_weights
 from .config import TrainConfig
 
@@ -115,15 +116,33 @@ def _inside_draft_vocab(t2d: torch.Tensor, labels: torch.Tensor, w: torch.Tensor
     return w, s_prob
 
 
-def _head_log_probs(hidden: torch.Tensor, head: torch.Tensor, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _head_log_probs(hidden: torch.Tensor, head: torch.Tensor, dev: torch.device,
+                    bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits [N, C] of the predicted rows over the head's vocabulary, and their log-softmax (at least fp32).
+    ``bias`` [N, C]: the Markov head's logit bias (added in fp32).
 
     The head is the frozen target's (up to V x H = 0.6e9 entries): the product runs in the head's own dtype, so the
     head is never cast or copied per sequence (``head.to(fp32)``, or autocast's cast of a non-bf16 head, would be).
     """
     with torch.autocast(dev.type, enabled=False):
         logits = hidden.to(head.dtype) @ head.t()  # [N, C]
+        if bias is not None:
+            logits = logits.float() + bias.float()
     return logits, torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+
+
+def _markov_bias(core, cfg: TrainConfig, ids: torch.Tensor, src: torch.Tensor, hidden: torch.Tensor,
+                 dev: torch.device) -> torch.Tensor | None:
+    """[N, V'] the Markov head's bias for each predicted row, teacher-forced: the previous token of the row that
+    predicts ``ids[src + 1]`` is the target's own ``ids[src]`` (the anchor itself for block position 1)."""
+    if getattr(core, "markov", None) is None:
+        return None
+    if cfg.loss_vocab not in ("draft", "full") or (cfg.loss_vocab == "full") != (core.draft_vocab is None):
+        raise ValueError("a Markov head is trained over its drafter's own vocabulary: loss_vocab='draft' with a "
+                         "draft vocabulary, 'full' without one")
+    prev = draft_index(core, ids.to(dev)[src.to(dev)])  # [N]
+    with torch.autocast(dev.type, enabled=False):
+        return core.markov(prev, hidden.float())
 
 
 def sequence_loss(model, embed: torch.nn.Module, head_weight: torch.Tensor, ids: torch.Tensor,
@@ -152,7 +171,7 @@ def sequence_loss(model, embed: torch.nn.Module, head_weight: torch.Tensor, ids:
     w = weights
     if t2d is not None:
         w, s_prob = _inside_draft_vocab(t2d, labels, w, s_ids, s_prob)
-    logits, logp = _head_log_probs(hidden, head, dev)
+    logits, logp = _head_log_probs(hidden, head, dev, _markov_bias(core, cfg, ids, src, hidden, dev))
     ce = -logp.gather(1, lookup(labels)[:, None])[:, 0]  # [N]
     if distill:
         soft = -(s_prob * logp.gather(1, lookup(s_ids))).sum(-1)  # [N]

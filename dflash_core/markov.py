@@ -1,0 +1,152 @@
+"""A Markov head: each drafted position's logits depend on the token drafted just before it.
+
+A DFlash block predicts its positions independently given the context: the distribution at depth d does not know
+which token the tree placed at depth d-1 on a branch. The head adds a low-rank logit bias over the draft vocabulary
+that depends on that previous token::
+
+    logits_d(prev) = base_d + W_out z,   z = E[prev]                      (kind "token")
+                                         z = E[prev] * sigmoid(G h_d)     (kind "gated": h_d the drafter's state)
+
+``E`` has one row per draft-vocabulary token plus one out-of-vocabulary bucket (a previous token the drafter cannot
+draft, e.g. a root outside its vocabulary); ``W_out`` starts at zero, so a head added to a trained drafter leaves its
+outputs unchanged until trained. The previous token of depth 1 is the root (the last committed token); in training it
+is the target's own token before each predicted position (teacher forcing).
+
+:class:`MarkovScorer` is the per-round inference side: it holds one block's base logits and states and returns a
+node's children distribution given that node's token, for the conditioned chain and tree builders.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+from torch import nn
+
+__all__ = ["MARKOV_KINDS", "MarkovHead", "MarkovScorer", "attach_markov_head", "draft_index", "markov_scorer"]
+
+MARKOV_KINDS = ("token", "gated")
+
+
+class MarkovHead(nn.Module):
+    """Logit bias ``[N, V']`` over the draft vocabulary from the previous token's draft index (``V'`` = OOV)."""
+
+    def __init__(self, vocab: int, hidden: int, rank: int, kind: str = "token") -> None:
+        super().__init__()
+        if kind not in MARKOV_KINDS:
+            raise ValueError(f"markov kind must be one of {MARKOV_KINDS}, got {kind!r}")
+        if rank < 1:
+            raise ValueError(f"markov rank must be >= 1, got {rank}")
+        self.kind, self.rank, self.vocab = kind, rank, vocab
+        self.embed = nn.Embedding(vocab + 1, rank)  # row `vocab`: the out-of-vocabulary bucket
+        self.gate = nn.Linear(hidden, rank) if kind == "gated" else None
+        self.out = nn.Linear(rank, vocab, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.embed.weight, std=1.0)
+        nn.init.zeros_(self.out.weight)  # a new head changes nothing until trained
+        if self.gate is not None:
+            nn.init.normal_(self.gate.weight, std=0.02)
+            nn.init.zeros_(self.gate.bias)
+
+    def codes(self, prev: torch.Tensor, states: torch.Tensor | None = None) -> torch.Tensor:
+        """prev [N] draft indices (``vocab`` = OOV), states [N, H] (gated only) -> z [N, rank]."""
+        z = self.embed(prev)
+        if self.gate is not None:
+            if states is None:
+                raise ValueError("a gated Markov head needs the drafter's states")
+            z = z * torch.sigmoid(self.gate(states.to(self.gate.weight.dtype)))
+        return z
+
+    def forward(self, prev: torch.Tensor, states: torch.Tensor | None = None) -> torch.Tensor:
+        return self.out(self.codes(prev, states))  # [N, V']
+
+    def numpy_weights(self) -> tuple[np.ndarray, np.ndarray]:
+        """(E [V'+1, r], W_out^T [r, V']) as float32 numpy arrays, cached until the weights change."""
+        key = tuple((w.data_ptr(), w._version, w.dtype) for w in (self.embed.weight, self.out.weight))
+        cached = self.__dict__.get("_numpy")
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                embed = self.embed.weight.detach().float().cpu().numpy()
+                out = np.ascontiguousarray(self.out.weight.detach().float().cpu().numpy().T)
+            cached = (key, embed, out)
+            self.__dict__["_numpy"] = cached
+        return cached[1], cached[2]
+
+
+class MarkovScorer:
+    """One round's conditioned drafter: the children distribution of a node given that node's token.
+
+    ``base`` [D, V'] float32: the block's compact logits (row d-1 = depth d); ``states`` [D, H]: the drafter's output
+    states; ``to_index``: target ids -> draft indices (OOV bucket for tokens outside the draft vocabulary).
+    ``log_probs(depth, prev)`` is the log-softmax of ``base[depth-1] + bias(prev)``: exactly the distribution the
+    head was trained to give. The hot path runs in numpy float32 (a tree builder calls it once per expanded node).
+    """
+
+    def __init__(self, head: MarkovHead, base: torch.Tensor, states: torch.Tensor, to_index) -> None:
+        self.base = base.detach().float().cpu().numpy()  # [D, V']
+        self.depth = self.base.shape[0]
+        self._to_index = to_index
+        self._embed, self._out = head.numpy_weights()  # [V'+1, r], [r, V']
+        with torch.no_grad():
+            self._gate = None if head.gate is None else torch.sigmoid(
+                head.gate(states.to(head.gate.weight.device, head.gate.weight.dtype))).float().cpu().numpy()  # [D, r]
+
+    def index(self, token_ids) -> np.ndarray:
+        """Target ids -> rows of the head's embedding (the OOV bucket for ids outside the draft vocabulary)."""
+        return self._to_index(np.asarray(token_ids, dtype=np.int64))
+
+    def logits(self, depth: int, prev_ids) -> np.ndarray:
+        """[m, V'] conditioned logits of ``depth`` (1-based) after the previous tokens ``prev_ids`` (target ids)."""
+        z = self._embed[self.index(prev_ids)]  # [m, r]
+        if self._gate is not None:
+            z = z * self._gate[depth - 1]
+        return self.base[depth - 1] + z @ self._out
+
+    def log_probs(self, depth: int, prev_ids) -> np.ndarray:
+        """[m, V'] float32 log-probabilities of ``depth`` given the previous tokens (target ids)."""
+        x = self.logits(depth, prev_ids)
+        x = x - x.max(axis=-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def attach_markov_head(draft, rank: int, kind: str = "token") -> MarkovHead:
+    """Give ``draft`` (a :class:`~dflash_core.model.DFlashDraftModel`) a new Markov head over its draft vocabulary
+    (set the vocabulary first); its output weights are zero, so the drafter's outputs do not change until trained."""
+    param = next(draft.parameters())
+    vocab = draft.config.draft_vocab_size or draft.config.vocab_size
+    draft.markov = MarkovHead(vocab, draft.config.hidden_size, rank, kind).to(param.device, param.dtype)
+    draft.config = dataclasses.replace(draft.config, markov_rank=rank, markov_kind=kind)
+    return draft.markov
+
+
+def _index_map(draft) -> torch.Tensor:
+    """[V] target id -> draft index (``V'`` for ids outside the draft vocabulary), cached on the drafter."""
+    vocab = draft.draft_vocab
+    key = (vocab.data_ptr(), vocab.device, len(vocab))
+    cached = getattr(draft, "_markov_index", None)
+    if cached is None or cached[0] != key:
+        t2d = torch.full((draft.config.vocab_size,), len(vocab), dtype=torch.long, device=vocab.device)
+        t2d[vocab] = torch.arange(len(vocab), device=vocab.device)
+        cached = (key, t2d, t2d.cpu().numpy())
+        draft._markov_index = cached
+    return cached
+
+
+def draft_index(draft, token_ids: torch.Tensor) -> torch.Tensor:
+    """Target token ids -> the drafter's draft-vocabulary indices; ids outside it map to the OOV bucket ``V'``."""
+    if draft.draft_vocab is None:
+        return token_ids
+    return _index_map(draft)[1].to(token_ids.device)[token_ids]
+
+
+def markov_scorer(draft, base: torch.Tensor, states: torch.Tensor) -> MarkovScorer | None:
+    """The round's :class:`MarkovScorer` for a drafter with a Markov head (None without one)."""
+    if getattr(draft, "markov", None) is None:
+        return None
+    if draft.draft_vocab is None:
+        return MarkovScorer(draft.markov, base, states, lambda ids: ids)
+    t2d = _index_map(draft)[2]
+    return MarkovScorer(draft.markov, base, states, lambda ids: t2d[ids])

@@ -1,0 +1,249 @@
+"""The policy contract: what the decode loop hands a proposal policy each round, and what it gets back.
+
+Each round a policy receives a :class:`DraftBlock` (the drafter's output for the block about to be verified, or None
+in a round without the drafter) and the history (prompt + every committed token, the root last), and returns a
+:class:`~dflash_core.tree.DraftTree`. After the target's verification the loop calls ``observe(path)`` with the
+indices of the accepted nodes that were committed. A policy subclasses :class:`BlockPolicy` (``name``,
+``uses_draft``, ``propose``; ``observe`` and ``wants_draft`` have defaults).
+
+Whatever a valid tree holds, the output is the target's: the loop verifies it. The loop checks every round, in
+O(nodes), the invariants its positions, attention mask and cache compaction rely on (parents before children,
+depth = parent's depth + 1, depth 1 under the root); see :func:`dflash_core.decoding.check_structure`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from .markov import MarkovScorer
+from .tree import DraftTree
+
+__all__ = ["BlockPolicy", "Chain", "DraftBlock", "NoDraft", "Proposal", "ProposalPolicy", "check_proposal",
+           "check_structure", "drafter_wanted", "observer", "proposer", "as_block"]
+
+
+@dataclass
+class DraftBlock:
+    """One round's drafter output.
+
+    ``logits`` [D, V'] float32, row d-1 = depth d, over the drafter's draft vocabulary: column j is target token
+    ``token_map[j]`` (``token_map`` None: the whole target vocabulary, column j is token j). ``root``: the block's
+    root (the last committed token). ``states`` [D, H]: the drafter's output states. ``scorer``: for a drafter with a
+    Markov head, the conditional distribution of a node's children given that node's own token
+    (:class:`~dflash_core.markov.MarkovScorer`; None otherwise).
+    """
+
+    logits: torch.Tensor
+    token_map: torch.Tensor | None
+    root: int
+    vocab_size: int
+    states: torch.Tensor | None = None
+    scorer: MarkovScorer | None = None
+    _full: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def depth(self) -> int:
+        return int(self.logits.shape[0])
+
+    def full_logits(self) -> torch.Tensor:
+        """[D, V] float32 over the target's whole vocabulary, -inf outside the draft vocabulary (computed once)."""
+        if self.token_map is None:
+            return self.logits
+        if self._full is None:
+            full = self.logits.new_full((self.depth, self.vocab_size), float("-inf"))
+            self._full = full.index_copy_(-1, self.token_map.to(full.device), self.logits)
+        return self._full
+
+    def target_ids(self, columns: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary columns -> target token ids."""
+        return columns if self.token_map is None else self.token_map.to(columns.device)[columns]
+
+
+class BlockPolicy:
+    """Base class of proposal policies (the contract the loop calls; see the module docstring).
+
+    ``uses_draft``: whether the policy reads the drafter (False: ``propose`` always gets ``block=None`` and the
+    drafter never runs). ``wants_draft(history)``: whether this round runs the drafter (a policy may skip it).
+    """
+
+    name: str = "policy"
+    uses_draft: bool = True
+
+    def propose(self, block: DraftBlock | None, history: list[int]) -> DraftTree:
+        raise NotImplementedError
+
+    def observe(self, path: list[int]) -> None:
+        """Called after each round with the indices of the accepted nodes that were committed."""
+
+    def wants_draft(self, history: list[int]) -> bool:
+        return self.uses_draft
+
+
+class Proposal(Protocol):
+    """What the loop reads of a round's draft tree: node i has token ``token_ids[i]``, parent ``parents[i]`` (-1 =
+    root), depth ``depths[i]``. Every built-in policy returns a :class:`~dflash_core.tree.DraftTree` (chains
+    included: they are verified under the causal mask); a policy may return any object with these members."""
+
+    token_ids: torch.Tensor  # [n] int64
+    parents: torch.Tensor  # [n] int64, parents[i] < i
+    depths: torch.Tensor  # [n] int64, 1-based
+
+    def visibility(self) -> torch.Tensor | None:
+        """[n+1, n+1] bool ancestor-or-self matrix (index 0 = root), or None when causal order is exact (a chain)."""
+
+    def expected_acceptance(self) -> float:
+        """Expected committed tokens per round under the drafter's factorized distribution (bonus included)."""
+
+
+class ProposalPolicy(Protocol):
+    name: str
+    uses_draft: bool
+
+    # Optional: ``observe(accepted: int[, path: list[int]])`` is called after each round with the number of draft
+    # tokens accepted and, when it takes a second argument, the accepted nodes' indices (adaptive policies learn).
+
+    def propose(self, draft_logits: torch.Tensor | None, history: list[int], token_map: torch.Tensor | None = None
+                ) -> Proposal:
+        """draft_logits: [b-1, V] float32, row d-1 = the drafter's logits for depth d (None when uses_draft is
+        False); history: prompt + generated tokens so far, the root (last committed token) last.
+
+        ``token_map`` is optional in a policy's signature. A policy whose ``propose`` takes it gets COMPACT logits
+        [b-1, V'] over the drafter's draft vocabulary, column j being target token ``token_map[j]`` (None: the
+        drafter drafts over the whole vocabulary, column j is token j); the proposal's token ids are target ids.
+        A policy without it gets rows over the whole target vocabulary, -inf outside the draft vocabulary.
+        """
+
+
+class NoDraft(BlockPolicy):
+    """Propose nothing: each round commits exactly the target's own next token (plain decoding)."""
+
+    name, uses_draft = "ar", False
+
+    def propose(self, block: DraftBlock | None, history: list[int]) -> DraftTree:
+        return DraftTree.empty()
+
+
+class Chain(BlockPolicy):
+    """DFlash: the drafter's top-1 token at every depth, as one branch. With a Markov head each depth is drafted
+    after the token chosen at the depth above (the root for depth 1): the greedy chain of the conditioned drafter."""
+
+    name, uses_draft = "chain", True
+
+    def propose(self, block: DraftBlock, history: list[int], token_map: torch.Tensor | None = None) -> DraftTree:
+        block = as_block(block, history, token_map)
+        if block.scorer is not None:
+            tokens, logps, prev = [], [], block.root
+            for depth in range(1, block.depth + 1):
+                row = block.scorer.log_probs(depth, [prev])[0]  # [V'] children of the previous chain token
+                j = int(row.argmax())
+                prev = int(block.target_ids(torch.tensor(j)))
+                tokens.append(prev)
+                logps.append(float(row[j]))
+            return DraftTree.chain(tokens, logps)
+        logp = torch.log_softmax(block.logits.float(), dim=-1)  # [b-1, V']
+        best, columns = logp.max(dim=-1)
+        return DraftTree.chain(block.target_ids(columns).cpu(), best.cpu())
+
+
+def check_proposal(proposal: Proposal) -> None:
+    """Raise ValueError naming what is wrong with a policy's tree: the structure of :meth:`DraftTree.validate`
+    (parents first, 1-based depths that follow the parents, distinct sibling tokens; best-first order is not
+    required). Nodes may lie deeper than the drafted block (a lookup continuation does)."""
+    tree = proposal if isinstance(proposal, DraftTree) else DraftTree(
+        proposal.token_ids.cpu().long(), proposal.parents.cpu().long(), proposal.depths.cpu().long(),
+        torch.full((len(proposal.token_ids),), math.nan, dtype=torch.float64))
+    try:
+        tree.validate(best_first=False)
+    except ValueError as error:
+        raise ValueError(f"the policy proposed an invalid tree: {error}") from None
+
+
+def check_structure(proposal: Proposal, policy_name: str) -> None:
+    """The invariants the round relies on, checked every round in O(nodes): equal lengths, token ids >= 0, parents
+    before their children (``-1 <= parents[i] < i``: the cache compaction keeps nodes by index), depth 1 under the
+    root and depth = parent's depth + 1 (positions and the attention mask come from the depths). A tree that breaks
+    one would make the target's cache hold wrong positions or tokens, so it is refused with the policy's name."""
+    tokens, parents, depths = proposal.token_ids, proposal.parents, proposal.depths
+    n = len(tokens)
+    if len(parents) != n or len(depths) != n:
+        raise ValueError(f"policy {policy_name!r} proposed a tree with {n} tokens, {len(parents)} parents and "
+                         f"{len(depths)} depths: one entry per node in each")
+    if n == 0:
+        return
+    parents, depths = parents.cpu().long(), depths.cpu().long()
+    index = torch.arange(n)
+    above = torch.where(parents >= 0, depths[parents.clamp(min=0)], torch.zeros_like(depths))  # the parent's depth
+    bad = (parents < -1) | (parents >= index) | (depths != above + 1)
+    if bool(bad.any()) or int(tokens.min()) < 0:
+        i = int(bad.nonzero()[0, 0]) if bool(bad.any()) else int(tokens.argmin())
+        raise ValueError(
+            f"policy {policy_name!r} proposed an invalid tree at node {i} (token {int(tokens[i])}, parent "
+            f"{int(parents[i])}, depth {int(depths[i])}): nodes must come after their parents (-1 = the root), "
+            "depths are 1-based with depth = parent's depth + 1, token ids >= 0. DraftTree.from_nodes(..., sort=True) "
+            "orders nodes given in any order")
+
+
+def observer(policy):
+    """The policy's feedback hook as ``f(path)`` (None when it has none). A :class:`BlockPolicy` is called as
+    ``observe(path)``; an older policy as ``observe(len(path), path)`` when its ``observe`` takes the accepted nodes
+    too, else ``observe(len(path))``."""
+    if isinstance(policy, BlockPolicy):
+        return policy.observe
+    observe = getattr(policy, "observe", None)
+    if observe is None:
+        return None
+    try:
+        params = list(inspect.signature(observe).parameters.values())
+        takes_path = len(params) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
+    except (TypeError, ValueError):  # a builtin without a signature
+        takes_path = False
+    if takes_path:
+        return lambda path: observe(len(path), path)
+    return lambda path: observe(len(path))
+
+
+def drafter_wanted(policy):
+    """``f(history) -> bool``: whether this round runs the drafter. True every round for a policy that uses it,
+    unless it has ``wants_draft(history)`` (a lookup policy may skip the pass when the context is reliable enough:
+    it then gets no draft); False for policies that never use it."""
+    if not policy.uses_draft:
+        return lambda history: False
+    return getattr(policy, "wants_draft", None) or (lambda history: True)
+
+
+def as_block(drafted, history: list[int], token_map: torch.Tensor | None = None) -> DraftBlock | None:
+    """A round's draft as a :class:`DraftBlock`: the loop's own, or logits (with their ``token_map``, or as a
+    ``(logits, token_map)`` pair) from a caller written to the older contract (policies that wrap a built-in one)."""
+    if drafted is None or isinstance(drafted, DraftBlock):
+        return drafted
+    logits, token_map = drafted if isinstance(drafted, tuple) else (drafted, token_map)
+    root = history[-1] if history else -1  # a caller that drafts outside a decode (a cost measurement) has none
+    return DraftBlock(logits, token_map, root, int(logits.shape[-1] if token_map is None else -1))
+
+
+def proposer(policy):
+    """(``f(drafted, history) -> proposal``, whether the policy takes compact logits). ``drafted`` is the round's
+    :class:`DraftBlock` (or what :func:`draft_block` returned; None when the drafter did not run). A
+    :class:`BlockPolicy` gets the block. An older policy whose ``propose`` takes ``token_map`` gets the compact logits
+    and their id map; any other gets full-vocabulary rows."""
+    if isinstance(policy, BlockPolicy):
+        return (lambda drafted, history: policy.propose(as_block(drafted, history), history)), True
+    try:
+        compact = "token_map" in inspect.signature(policy.propose).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        compact = False
+
+    def propose(drafted, history):
+        if isinstance(drafted, DraftBlock):
+            drafted = (drafted.logits, drafted.token_map) if compact else drafted.full_logits()
+        if not compact:
+            return policy.propose(drafted, history)
+        logits, token_map = (None, None) if drafted is None else drafted
+        return policy.propose(logits, history, token_map=token_map)
+
+    return propose, compact

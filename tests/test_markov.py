@@ -1,0 +1,177 @@
+"""The Markov head, the conditioned tree builder and the loop's structure check.
+
+Oracles: the conditioned builder against brute-force enumeration of every token sequence; the head's inference scorer
+against a direct torch computation; generation with a Markov drafter against plain decoding in fp64; replay against
+the loop; the training bias against the head applied to the target's own previous tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_draft, make_target, prompt
+from ddtree import build_tree, ddtree_generate
+from ddtree.conditioned import build_conditioned_tree, build_markov_tree, reference_conditioned_tree
+from ddtree.generate import FixedBudget
+from dflash_core import BlockPolicy, Chain, autoregressive_generate, dflash_generate, load_draft, speculative_generate
+from dflash_core.markov import MarkovScorer, attach_markov_head, draft_index, markov_scorer
+from dflash_core.replay import replay_generate
+from dflash_core.tree import DraftTree
+
+
+def _paths(tree: DraftTree) -> dict[tuple[int, ...], float]:
+    out, paths = {}, []
+    for i in range(len(tree.token_ids)):
+        parent = int(tree.parents[i])
+        paths.append((paths[parent] if parent >= 0 else ()) + (int(tree.token_ids[i]),))
+        out[paths[-1]] = float(tree.log_probs[i])
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("budget", [1, 3, 7, 20, 60])
+def test_conditioned_builder_equals_brute_force(seed, budget):
+    g = torch.Generator().manual_seed(seed)
+    vocab, depth = 4, 3
+    logits = torch.randn(depth, vocab, generator=g, dtype=torch.float64) * 2
+    table = torch.randn(depth, vocab + 1, vocab, generator=g, dtype=torch.float64) * 2  # bias per depth and parent
+
+    def bias(d, parent):
+        return table[d - 1, parent]
+
+    tree = build_conditioned_tree(logits, budget, bias, root=vocab)  # the root: token `vocab` (its own bias row)
+    expected = reference_conditioned_tree(logits, budget, bias, root=vocab)
+    got = _paths(tree)
+    assert set(got) == set(expected)
+    for path, value in expected.items():
+        assert got[path] == pytest.approx(value, abs=1e-5)
+    tree.validate()  # parents first, best-first order, 1-based depths
+    assert tree.expected_acceptance() == pytest.approx(1 + sum(np.exp(v) for v in expected.values()), abs=1e-5)
+
+
+def test_zero_bias_gives_the_factorized_tree():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 50, generator=g) * 3
+    for budget in (1, 8, 32, 100):
+        conditioned = build_conditioned_tree(logits, budget, lambda d, t: torch.zeros(50), root=0)
+        assert _paths(conditioned).keys() == _paths(build_tree(logits, budget)).keys()
+
+
+def _markov_pair(dtype=torch.float64, kind="gated", vocab_subset=48, seed=0):
+    target = make_target("llama", vocab=64, dtype=dtype, init=0.3)
+    draft = make_draft(target, block_size=5, dtype=dtype)
+    draft.set_draft_vocab(torch.randperm(64, generator=torch.Generator().manual_seed(seed))[:vocab_subset])
+    head = attach_markov_head(draft, 6, kind)
+    with torch.no_grad():
+        torch.manual_seed(seed)
+        head.out.weight.normal_(0, 1.0)  # a head that changes the drafter's choices
+    return target, draft
+
+
+def test_scorer_equals_the_head_in_torch():
+    target, draft = _markov_pair(torch.float32)
+    g = torch.Generator().manual_seed(1)
+    base, states = torch.randn(4, 48, generator=g), torch.randn(4, 32, generator=g)
+    scorer = markov_scorer(draft, base, states)
+    prev = torch.tensor([int(draft.draft_vocab[5]), 63 if 63 not in draft.draft_vocab else 0])
+    for depth in (1, 4):
+        bias = draft.markov(draft_index(draft, prev), states[depth - 1].expand(2, -1))
+        expected = torch.log_softmax(base[depth - 1] + bias, dim=-1)
+        assert np.allclose(scorer.log_probs(depth, prev.numpy()), expected.detach().numpy(), atol=1e-5)
+
+
+def test_a_new_head_changes_nothing_until_trained():
+    target = make_target("llama", vocab=64, dtype=torch.float64)
+    draft = make_draft(target, block_size=5)
+    draft.set_draft_vocab(torch.arange(40))
+    ids = prompt(0, 8, 64)
+    before = ddtree_generate(target, draft, ids, budget=8, max_new_tokens=20, trace=True)
+    attach_markov_head(draft, 4, "token")
+    after = ddtree_generate(target, draft, ids, budget=8, max_new_tokens=20, trace=True)
+    assert after.new_token_ids == before.new_token_ids and after.acceptance_lengths == before.acceptance_lengths
+    for a, b in zip(after.trees, before.trees):
+        assert _paths(a).keys() == _paths(b).keys()
+
+
+@pytest.mark.parametrize("kind", ["token", "gated"])
+def test_markov_drafter_is_lossless_and_replay_equals_the_loop(kind):
+    target, draft = _markov_pair(kind=kind)
+    for seed in range(3):
+        ids = prompt(seed, 7, 64)
+        plain = autoregressive_generate(target, ids, max_new_tokens=24).new_token_ids
+        chain = dflash_generate(target, draft, ids, max_new_tokens=24)
+        tree = ddtree_generate(target, draft, ids, budget=12, max_new_tokens=24)
+        assert chain.new_token_ids == plain and tree.new_token_ids == plain
+        replayed = replay_generate(target, draft, ids, {"chain": Chain(), "b12": FixedBudget(12)}, max_new_tokens=24)
+        assert replayed["chain"].acceptance_lengths == chain.acceptance_lengths
+        assert replayed["b12"].acceptance_lengths == tree.acceptance_lengths
+
+
+def test_markov_trees_follow_each_nodes_own_token():
+    """The loop's tree for a Markov drafter is the conditioned builder's on the round's scorer, not build_tree's."""
+    target, draft = _markov_pair()
+    res = ddtree_generate(target, draft, prompt(4, 7, 64), budget=10, max_new_tokens=12, trace=True)
+    differs = 0
+    for tree in res.trees:
+        tree.validate()
+        differs += _paths(tree).keys() != set()
+    assert differs
+
+
+def test_saved_markov_drafter_reloads_and_plain_checkpoints_stay_headless(tmp_path):
+    target, draft = _markov_pair(torch.float32, kind="gated")
+    draft.save_pretrained(tmp_path / "m")
+    loaded = load_draft(tmp_path / "m")
+    assert loaded.config.markov_rank == 6 and loaded.config.markov_kind == "gated"
+    for (name, a), (_, b) in zip(sorted(draft.state_dict().items()), sorted(loaded.state_dict().items())):
+        assert torch.equal(a, b), name
+    plain = make_draft(target, dtype=torch.float32)
+    plain.save_pretrained(tmp_path / "p")
+    assert load_draft(tmp_path / "p").markov is None
+    assert "markov_head" not in (tmp_path / "p" / "config.json").read_text()
+
+
+def test_training_bias_uses_the_targets_previous_tokens():
+    from dflash_core.training.config import TrainConfig
+    from dflash_core.training.loss import _markov_bias
+
+    target, draft = _markov_pair(torch.float32)
+    ids = torch.randint(0, 64, (30,), generator=torch.Generator().manual_seed(0))
+    src = torch.tensor([5, 6, 7, 20])  # the rows predicting ids[6], ids[7], ids[8], ids[21]
+    hidden = torch.randn(4, 32)
+    bias = _markov_bias(draft, TrainConfig(loss_vocab="draft"), ids, src, hidden, torch.device("cpu"))
+    expected = draft.markov(draft_index(draft, ids[src]), hidden)
+    assert torch.allclose(bias, expected)
+    with pytest.raises(ValueError, match="loss_vocab='draft'"):
+        _markov_bias(draft, TrainConfig(loss_vocab="batch"), ids, src, hidden, torch.device("cpu"))
+
+
+class _Malformed(BlockPolicy):
+    """Proposes the target's own continuation (all accepted if the tree were honoured) in a broken layout."""
+
+    name = "malformed"
+
+    def __init__(self, target, layout):
+        self.target, self.layout = target, layout
+
+    def propose(self, block, history):
+        ids = torch.tensor([history])
+        nxt = [int(t) for t in autoregressive_generate(self.target, ids, max_new_tokens=3).new_token_ids]
+        if self.layout == "zero-based":
+            return DraftTree(torch.tensor(nxt), torch.tensor([-1, 0, 1]), torch.tensor([0, 1, 2]),
+                             torch.zeros(3, dtype=torch.float64))
+        if self.layout == "children-first":
+            return DraftTree(torch.tensor(nxt[::-1]), torch.tensor([1, 2, -1]), torch.tensor([3, 2, 1]),
+                             torch.zeros(3, dtype=torch.float64))
+        return DraftTree(torch.tensor(nxt), torch.tensor([-1, 0, 1]), torch.tensor([1, 3, 4]),  # skips depth 2
+                         torch.zeros(3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("layout", ["zero-based", "children-first", "skipped-depth"])
+def test_the_loop_refuses_malformed_trees_every_round(layout):
+    target = make_target("llama", vocab=64, dtype=torch.float64)
+    draft = make_draft(target, block_size=5)
+    with pytest.raises(ValueError, match="policy 'malformed' proposed an invalid tree"):
+        speculative_generate(target, draft, prompt(1, 6, 64), _Malformed(target, layout), max_new_tokens=8)
