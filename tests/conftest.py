@@ -101,3 +101,18 @@ def steady_clocks(monkeypatch, step: float = 0.01) -> TickClock:
     monkeypatch.setattr(ddtree.generate, "time", clock)
     monkeypatch.setattr(ddtree.budget, "time", clock)
     return clock
+
+
+def record_masks(monkeypatch) -> list[bool]:
+    """Spy on every target forward of the loop: the list gets, per forward, whether it took a tree mask."""
+    from dflash_core.target import TargetAdapter
+
+    masks: list[bool] = []
+    real_forward = TargetAdapter.forward
+
+    def forward(self, token_ids, position_ids, cache, visibility=None, **kwargs):
+        masks.append(visibility is not None)
+        return real_forward(self, token_ids, position_ids, cache, visibility=visibility, **kwargs)
+
+    monkeypatch.setattr(TargetAdapter, "forward", forward)
+    return masks

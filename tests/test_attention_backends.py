@@ -47,3 +47,27 @@ def test_tree_verification_refuses_a_backend_without_4d_masks(flash_like_target)
     assert ddtree_generate(target, draft, p, budget="chain", max_new_tokens=16).new_token_ids == ar
     target.config._attn_implementation = "sdpa"
     assert autoregressive_generate(target, p, max_new_tokens=16).new_token_ids == ar
+
+
+def test_chains_on_a_flash_like_backend_accept_whole_blocks_and_equal_the_reference(flash_like_target):
+    """DFlash, chain-auto and an oracle chain (real acceptance: whole blocks) on a backend that ignores masks give
+    the cache-free reference's tokens; trees alone are refused."""
+    from ddtree import ddtree_generate, make_policy
+    from ddtree.cost import CostModel
+    from dflash_core import speculative_generate
+    from greedy_reference import greedy_reference
+    from test_decoding import OracleChain
+
+    target = flash_like_target
+    draft = make_draft(target, block_size=4)
+    cost = CostModel((0, 1, 3), (0.010, 0.010, 0.010), 0.004)  # verifying is free: chain-auto drafts to its cap
+    for seed in range(2):
+        p = prompt(20 + seed, 7, 64)
+        ref = greedy_reference(target, p, 24)
+        oracle = speculative_generate(target, draft, p, OracleChain(ref, p.shape[1], seed), max_new_tokens=24)
+        assert oracle.new_token_ids == ref and max(oracle.acceptance_lengths) == 4
+        auto = make_policy("chain-auto", target, draft, cost=cost, cap=3, share_memory=False, online=False)
+        out = ddtree_generate(target, draft, p, max_new_tokens=24, policy=auto)
+        assert out.new_token_ids == ref and max(out.tree_sizes) == 3
+        # the public path: its cost curve is measured on this backend (chains need no mask)
+        assert ddtree_generate(target, draft, p, budget="chain-auto", max_new_tokens=24).new_token_ids == ref

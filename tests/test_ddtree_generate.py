@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dflash_core.decoding as decoding
-from conftest import make_draft, make_target, prompt
+from conftest import make_draft, make_target, prompt, record_masks
 from ddtree import DraftTree, build_tree, ddtree_generate
 from dflash_core import autoregressive_generate, dflash_generate, speculative_generate
 from dflash_core.target import TargetAdapter
@@ -100,16 +100,35 @@ class OracleTree:
         return build_tree(logits, self.budget)
 
 
+class MaskedProposal:
+    """A proposal that does not say it is a chain (no ``is_chain``): the loop verifies it under its ancestor mask."""
+
+    def __init__(self, tree: DraftTree) -> None:
+        self.tree, self.token_ids, self.parents, self.depths = tree, tree.token_ids, tree.parents, tree.depths
+
+    def visibility(self):
+        return self.tree.visibility()
+
+    def expected_acceptance(self) -> float:
+        return self.tree.expected_acceptance()
+
+
 class ChainAsTree:
-    """The DFlash chain expressed as a DraftTree, so it goes through the tree mask instead of the causal path."""
+    """The DFlash chain verified through the tree mask instead of the causal path (``wrap``: the chain a policy
+    proposes, e.g. an oracle's; default the drafter's top-1 chain)."""
 
     name, uses_draft = "chain-as-tree", True
 
+    def __init__(self, wrap=None) -> None:
+        self.wrap = wrap
+
     def propose(self, draft_logits, history):
+        if self.wrap is not None:
+            return MaskedProposal(self.wrap.propose(draft_logits, history))
         logp = torch.log_softmax(draft_logits.float(), -1)
         best, tokens = logp.max(-1)
         n = len(tokens)
-        return DraftTree(tokens, torch.arange(-1, n - 1), torch.arange(1, n + 1), best.cumsum(0))
+        return MaskedProposal(DraftTree(tokens, torch.arange(-1, n - 1), torch.arange(1, n + 1), best.cumsum(0)))
 
 
 @pytest.mark.parametrize("budget", [1, 2, 7, 32, 100])
@@ -145,16 +164,33 @@ def test_ddtree_stop_tokens_and_max_new_tokens_edges():
         assert out.new_token_ids == expect
 
 
-def test_chain_policy_equals_dflash_exactly(family):
-    target = make_target(family, vocab=16, init=0.5)  # small vocab: the random drafter is accepted now and then
+def test_chain_policy_equals_dflash_exactly(family, monkeypatch):
+    """A chain verified under the tree mask gives DFlash's tokens and acceptance lengths (the causal path), with
+    real acceptance (an oracle chain that is corrupted at a random depth), and the reference's tokens."""
+    from greedy_reference import greedy_reference
+    from test_decoding import OracleChain
+
+    masked = record_masks(monkeypatch)
+    target = make_target(family, vocab=16, init=0.5)
     draft = make_draft(target, block_size=4)
-    for seed in range(4):
+    longest = 0
+    for seed in range(3):
         p = prompt(300 + seed, 5, 16)
-        ref = dflash_generate(target, draft, p, max_new_tokens=40, seed=seed)
-        for out in (ddtree_generate(target, draft, p, budget="chain", max_new_tokens=40, seed=seed),
-                    ddtree_generate(target, draft, p, max_new_tokens=40, seed=seed, policy=ChainAsTree())):
-            assert out.new_token_ids == ref.new_token_ids
-            assert out.acceptance_lengths == ref.acceptance_lengths
+        ref = greedy_reference(target, p, 40)
+        causal = dflash_generate(target, draft, p, max_new_tokens=40, seed=seed)
+        masked.clear()
+        chain = ddtree_generate(target, draft, p, max_new_tokens=40, seed=seed, policy=ChainAsTree())
+        assert any(masked) and chain.new_token_ids == causal.new_token_ids == ref
+        assert chain.acceptance_lengths == causal.acceptance_lengths
+        oracle = lambda: OracleChain(ref, p.shape[1], seed)  # noqa: E731
+        masked.clear()
+        via_mask = speculative_generate(target, draft, p, ChainAsTree(oracle()), max_new_tokens=40)
+        assert sum(masked) == len(via_mask.acceptance_lengths)  # every round's verify forward took the mask
+        via_causal = speculative_generate(target, draft, p, oracle(), max_new_tokens=40)
+        assert via_mask.new_token_ids == via_causal.new_token_ids == ref
+        assert via_mask.acceptance_lengths == via_causal.acceptance_lengths
+        longest = max(longest, *via_mask.acceptance_lengths)
+    assert longest == 4  # whole blocks were accepted through the mask
 
 
 def test_trace_and_round_statistics():
@@ -219,7 +255,7 @@ def test_the_readme_policy_example_runs_and_is_lossless():
     import re
     from pathlib import Path
 
-    from conftest import make_draft, make_target, prompt
+    from conftest import make_draft, make_target, prompt, record_masks
     from dflash_core import autoregressive_generate
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
