@@ -91,6 +91,52 @@ class DraftTree:
                    path_log_probs)
 
     @classmethod
+    def from_nodes(cls, token_ids: Sequence[int] | torch.Tensor, parents: Sequence[int] | torch.Tensor,
+                   log_probs: Sequence[float] | torch.Tensor | None = None, sort: bool = True) -> DraftTree:
+        """A tree from nodes in any order: ``parents[i]`` is the index (in the given order) of node i's parent, -1
+        for the root's children; depths follow from the parents. ``log_probs`` (path log-probabilities) are
+        optional (NaN: unknown). With ``sort`` the nodes are reordered best first (log-probability descending, then
+        depth, then given order) with every node after its ancestors, and the parent indices remapped: what the
+        loop and :meth:`validate` expect. Raises ValueError for a parent index out of range or a cycle."""
+        ids = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1).cpu()
+        par = torch.as_tensor(parents, dtype=torch.int64).reshape(-1).cpu().tolist()
+        n = len(par)
+        lp = (torch.full((n,), math.nan, dtype=torch.float64) if log_probs is None
+              else torch.as_tensor(log_probs, dtype=torch.float64).reshape(-1).cpu())
+        if ids.shape[0] != n or lp.shape[0] != n:
+            raise ValueError(f"from_nodes: {ids.shape[0]} tokens, {n} parents, {lp.shape[0]} log-probabilities")
+        depth = [0] * n
+        for i in range(n):  # walk up to a node of known depth; a walk longer than n has met a cycle
+            chain, j = [], i
+            while j != ROOT and depth[j] == 0:
+                if not -1 <= par[j] < n or par[j] == j or len(chain) > n:
+                    raise ValueError(f"from_nodes: node {j} has parent {par[j]} (an index in 0..{n - 1}, -1 = the "
+                                     "root, and no cycles)")
+                chain.append(j)
+                j = par[j]
+            for k in reversed(chain):
+                depth[k] = 1 if par[k] == ROOT else depth[par[k]] + 1
+        order = list(range(n))
+        if sort:
+            key = [(-lp[i].item() if not math.isnan(lp[i].item()) else 0.0, depth[i], i) for i in range(n)]
+            placed, order = set(), []
+            for i in sorted(range(n), key=key.__getitem__):  # each node after its ancestors
+                pending = []
+                while i != ROOT and i not in placed:
+                    pending.append(i)
+                    i = par[i]
+                for k in reversed(pending):
+                    placed.add(k)
+                    order.append(k)
+        where = {old: new for new, old in enumerate(order)}
+        return cls(ids[order], torch.tensor([where.get(par[i], ROOT) for i in order], dtype=torch.int64),
+                   torch.tensor([depth[i] for i in order], dtype=torch.int64), lp[order])
+
+    def prefix(self, n: int) -> DraftTree:
+        """The first ``n`` nodes: a valid tree (parents come first), in best-first order the best ``n``-node one."""
+        return DraftTree(self.token_ids[:n], self.parents[:n], self.depths[:n], self.log_probs[:n])
+
+    @classmethod
     def from_paths(cls, paths: Sequence[Sequence[int]],
                    token_ids: Sequence[int] | torch.Tensor | None = None,
                    log_probs: Sequence[float] | torch.Tensor | None = None) -> DraftTree:

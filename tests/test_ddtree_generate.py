@@ -268,6 +268,8 @@ def test_the_readme_policy_example_runs_and_is_lossless():
     exec(compile(code, "README.md", "exec"), scope)
     res = scope["res"]
     assert res.new_token_ids == autoregressive_generate(target, ids, 64).new_token_ids
-    tree = scope["ChainWithAlternatives"]().propose(torch.randn(4, 16), [1, 2])
+    from dflash_core import DraftBlock
+
+    tree = scope["ChainWithAlternatives"]().propose(DraftBlock(torch.randn(4, 16), None, 2, 16), [1, 2])
     tree.validate()
     assert len(tree) == 8 and int(tree.depths.max()) == 4

@@ -175,3 +175,20 @@ def test_the_loop_refuses_malformed_trees_every_round(layout):
     draft = make_draft(target, block_size=5)
     with pytest.raises(ValueError, match="policy 'malformed' proposed an invalid tree"):
         speculative_generate(target, draft, prompt(1, 6, 64), _Malformed(target, layout), max_new_tokens=8)
+
+
+def test_from_nodes_sorts_any_order_and_prefix_stays_valid():
+    g = torch.Generator().manual_seed(5)
+    tree = build_tree(torch.randn(5, 30, generator=g) * 2, 25)
+    perm = torch.randperm(25, generator=g)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(25)
+    parents = torch.where(tree.parents[perm] >= 0, inverse[tree.parents[perm].clamp(min=0)], -1)
+    rebuilt = DraftTree.from_nodes(tree.token_ids[perm], parents, tree.log_probs[perm])
+    rebuilt.validate()
+    assert rebuilt.equals(tree)
+    assert _paths(rebuilt.prefix(10)) == dict(list(_paths(tree).items())[:10])
+    unsorted = DraftTree.from_nodes([7, 8, 9], [2, -1, 1])  # no log-probabilities: breadth first
+    assert unsorted.depths.tolist() == [1, 2, 3] and unsorted.token_ids.tolist() == [8, 9, 7]
+    with pytest.raises(ValueError, match="no cycles"):
+        DraftTree.from_nodes([1, 2], [1, 0])
