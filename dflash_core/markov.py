@@ -150,3 +150,23 @@ def markov_scorer(draft, base: torch.Tensor, states: torch.Tensor) -> MarkovScor
         return MarkovScorer(draft.markov, base, states, lambda ids: ids)
     t2d = _index_map(draft)[2]
     return MarkovScorer(draft.markov, base, states, lambda ids: t2d[ids])
+
+
+def bigram_head(draft, responses, weight: float = 0.5, smoothing: float = 0.1) -> MarkovHead:
+    """A count-based baseline in the head's form: bias = ``weight`` x log p(next | prev) of the token bigrams in
+    ``responses`` (lists of target ids), add-``smoothing`` over the draft vocabulary; no bias after an
+    out-of-vocabulary token. Exact (rank V', identity output), so for evaluation, not for shipping."""
+    vocab = draft.config.draft_vocab_size or draft.config.vocab_size
+    counts = torch.full((vocab + 1, vocab), float(smoothing), dtype=torch.float64)
+    for seq in responses:
+        idx = draft_index(draft, torch.as_tensor(seq, dtype=torch.long))
+        prev, nxt = idx[:-1], idx[1:]
+        keep = nxt < vocab
+        counts.index_put_((prev[keep], nxt[keep]), torch.ones(int(keep.sum()), dtype=torch.float64), accumulate=True)
+    table = weight * torch.log(counts / counts.sum(-1, keepdim=True))
+    table[vocab] = 0.0  # after a token the drafter cannot draft: no opinion
+    head = MarkovHead(vocab, draft.config.hidden_size, vocab, "token")
+    with torch.no_grad():
+        head.embed.weight.copy_(table.float())
+        head.out.weight.copy_(torch.eye(vocab))
+    return head

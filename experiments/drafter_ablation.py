@@ -65,6 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-len", type=int, default=768)
     p.add_argument("--reference", default=None, help="cache of the protocol's greedy continuations")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default="auto", help="auto (CUDA when available, else CPU), cpu, cuda, cuda:N")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     unknown = [n for n in _config_names(a.configs) if n not in ABLATIONS]
@@ -158,7 +159,7 @@ def main(argv=None) -> None:
 
     out = Path(a.out)
     log = setup_logging(out).info
-    target, tokenizer = load_default_target(torch.bfloat16)
+    target, tokenizer = load_default_target(torch.bfloat16, a.device)  # the drafter trains on the target's device
     stops = stop_token_ids(tokenizer)
     data = load_training_data(a.data, tokenizer, a.seed, eval_prompts=0, log=log)
     prompts = protocol_prompts(tokenizer)

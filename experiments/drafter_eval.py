@@ -100,10 +100,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab-sizes", default="",
                    help="also evaluate each drafter with its draft vocabulary cut to these sizes (its most frequent "
                         "tokens), e.g. 4096,8192; 'full' drops the draft vocabulary")
+    p.add_argument("--bigram", type=float, default=None,
+                   help="also evaluate the first drafter with a count-based bigram of the committed training "
+                        "answers as its Markov head, at this weight (a baseline for learned heads)")
     p.add_argument("--replay", action="store_true", help="replay rounds offline from cached greedy continuations")
     p.add_argument("--reference", default=None,
                    help="--replay: cache of the greedy continuations (default runs/protocol-reference-DTYPE-N.json)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default="auto", help="auto (CUDA when available, else CPU), cpu, cuda, cuda:N")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if a.replay and a.check_ar:
@@ -118,12 +122,12 @@ def _load_drafters(a, dtype) -> tuple[list[str], list]:
     from dflash_core import load_draft
 
     labels = list(a.label or [Path(d).name for d in a.draft])
-    drafts = [load_draft(d, dtype=dtype) for d in a.draft]
+    drafts = [load_draft(d, device=a.device_resolved, dtype=dtype) for d in a.draft]
     for label, draft in list(zip(labels, drafts)):
         for size in [v for v in a.vocab_sizes.split(",") if v]:
             if draft.draft_vocab is None:
                 continue
-            copy = load_draft(a.draft[labels.index(label)], dtype=dtype)
+            copy = load_draft(a.draft[labels.index(label)], device=a.device_resolved, dtype=dtype)
             if size == "full":
                 del copy._buffers["draft_vocab"]
                 copy.draft_vocab = None
@@ -135,6 +139,19 @@ def _load_drafters(a, dtype) -> tuple[list[str], list]:
         for d in drafts:
             d.rotary.inv_freq = d.rotary.inv_freq.to(dtype)
     return labels, drafts
+
+
+def _bigram_drafter(a, dtype, tokenizer):
+    """The first drafter with :func:`dflash_core.markov.bigram_head` over the committed training answers."""
+    from dflash_core import load_draft
+    from dflash_core.default import DEFAULT_DRAFT_DIR
+    from dflash_core.markov import bigram_head
+    from dflash_core.training.fit import load_training_data
+
+    draft = load_draft(a.draft[0], device=a.device_resolved, dtype=dtype)
+    data = load_training_data([DEFAULT_DRAFT_DIR / "data"], tokenizer, eval_prompts=0, log=lambda *_: None)
+    draft.markov = bigram_head(draft, data.responses, a.bigram).to(a.device_resolved, torch.float32)
+    return draft
 
 
 def _decode_rows(target, labels, drafts, budgets, prompts, max_new_tokens: int, stops, check_ar: bool,
@@ -181,22 +198,39 @@ def _summarise(rows: list[dict], labels, budgets, replay: bool, check_ar: bool) 
                 entry["decode_s"] = sum(r["decode_s"] or 0 for r in mine)
             if check_ar:
                 entry["matches_ar"] = f"{sum(bool(r['matches_ar']) for r in mine)}/{len(mine)}"
+            if label != labels[0]:
+                entry["paired_vs_" + labels[0]] = paired_change(rows, labels[0], label, budget)
             summary[key] = entry
     return summary
+
+
+def paired_change(rows: list[dict], base: str, label: str, budget) -> str:
+    """Per-prompt tau of ``label`` minus ``base`` at ``budget``: mean and bootstrap 95% interval, as text."""
+    from .schema import bootstrap_ci
+
+    tau = {(r["draft"], r["dataset"], r["sample_id"]): r["tokens"] / max(1, r["rounds"])
+           for r in rows if r["budget"] == budget}
+    diffs = [tau[(label, d, s)] - t for (who, d, s), t in tau.items() if who == base and (label, d, s) in tau]
+    lo, hi = bootstrap_ci(diffs)
+    return "n/a" if lo is None else f"{sum(diffs) / len(diffs):+.3f} [{lo:+.3f}, {hi:+.3f}]"
 
 
 def main(argv=None) -> None:
     a = parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    from dflash_core.default import load_default_target, stop_token_ids
+    from dflash_core.default import load_default_target, resolve_device, stop_token_ids
 
     from .models import resolve_dtype
 
-    dtype = resolve_dtype(a.dtype or "auto", torch.device("cpu"))
-    target, tokenizer = load_default_target(dtype)
+    a.device_resolved = resolve_device(a.device)
+    dtype = resolve_dtype(a.dtype or "auto", a.device_resolved)
+    target, tokenizer = load_default_target(dtype, a.device_resolved)
     stops = stop_token_ids(tokenizer)
     labels, drafts = _load_drafters(a, dtype)
+    if a.bigram is not None:
+        labels.append(f"{labels[0]}+bigram{a.bigram:g}")
+        drafts.append(_bigram_drafter(a, dtype, tokenizer))
     budgets = [b if b == "chain" else int(b) for b in a.budgets.split(",")]
     prompts = protocol_prompts(tokenizer)[: a.limit]
     t0 = time.perf_counter()

@@ -98,6 +98,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--distill-weight", type=float, default=0.5, help="soft-label weight for generated sequences")
     p.add_argument("--seed", type=int, default=0, help="corpus order seed (keep it across runs: the cursor counts in it)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default="auto", help="auto (CUDA when available, else CPU), cpu, cuda, cuda:N")
     p.add_argument("--reference", default="runs/protocol-reference-bf16-128.json")
     a = p.parse_args(argv)
     if (a.minutes is None) == (a.tokens is None):
@@ -177,7 +178,7 @@ def main(argv=None) -> None:
     log = setup_logging(out).info
     log(f"options: {json.dumps(vars(a), sort_keys=True)}")
     mix = parse_mix(a.mix)
-    target, tokenizer = load_default_target(torch.bfloat16)
+    target, tokenizer = load_default_target(torch.bfloat16, a.device)  # the drafter trains on the target's device
     stops = stop_token_ids(tokenizer)
     prior, manifest = _prior_log(a.log, log)
     cursor = Cursor(**prior.get("cursor", {}))

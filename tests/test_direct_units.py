@@ -94,3 +94,35 @@ def test_timing_cache_helpers_round_trip_and_recover_from_damage(tmp_path, monke
     with pytest.warns(UserWarning, match="damaged cache file"):
         assert read_cached_json(path) is None
     assert not path.exists()  # removed, to be measured again
+
+
+def test_teacher_forced_ceiling_is_tokens_over_the_median_forward_time(monkeypatch):
+    from dflash_core.training import generate
+
+    ticks = iter([0.0, 0.5, 10.0, 10.25, 20.0, 21.0])  # three timed forwards: 0.5 s, 0.25 s, 1.0 s
+    monkeypatch.setattr(generate.time, "perf_counter", lambda: next(ticks))
+    seen = []
+    target = make_target("llama", vocab=200, dtype=torch.float32)
+    original = target.forward
+
+    def forward(*args, **kwargs):
+        seen.append((tuple(kwargs["input_ids"].shape), kwargs.get("output_hidden_states", False)))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(target, "forward", forward)
+    assert generate.teacher_forced_ceiling(target, 2, 24, repeats=3) == pytest.approx(2 * 24 / 0.5)  # the median
+    assert seen[0] == ((2, 16), False) and seen[1:] == [((2, 24), True)] * 3  # warm-up, then full passes
+
+
+def test_export_drafter_copies_a_loadable_checkpoint(tmp_path):
+    from dflash_core import load_draft
+    from dflash_core.training.loop import export_drafter
+
+    draft = make_draft(make_target("llama", vocab=64, dtype=torch.float32), dtype=torch.float32)
+    draft.save_pretrained(tmp_path / "run")
+    logged = []
+    export_drafter(tmp_path / "run", tmp_path / "zoo" / "mine", log=logged.append)
+    copy = load_draft(tmp_path / "zoo" / "mine")
+    for name, value in draft.state_dict().items():
+        assert torch.equal(copy.state_dict()[name], value), name
+    assert logged and "zoo" in logged[0]

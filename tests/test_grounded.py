@@ -159,13 +159,11 @@ def test_build_chat_builds_both_turns(items):
 
 
 def _smollm2_tokenizer():
-    transformers = pytest.importorskip("transformers")
-    from dflash_core.default import _cache_dir
+    """The embedded target's tokenizer, built here when no other test has filled the model cache yet (so the test
+    never depends on which worker ran first)."""
+    from dflash_core.default import load_default_target
 
-    cache = _cache_dir()
-    if not (cache / "tokenizer.json").is_file():
-        pytest.skip("the SmolLM2 tokenizer is not cached yet (load_default_pair() builds the cache)")
-    return transformers.AutoTokenizer.from_pretrained(cache)
+    return load_default_target()[1]
 
 
 def test_prompt_lengths_with_the_smollm2_tokenizer(items):

@@ -172,10 +172,19 @@ def _ddp_worker(rank: int, world: int, init_file: str, out_file: str) -> None:
 
 
 def _ddp_run():
+    """Sequences of unequal lengths (ranks then hold unequal weight sums) under plain SGD without clipping: a wrong
+    gradient normalisation changes the step (AdamW's scale invariance and clipping would hide it)."""
+    from dflash_core.training import loop
+
     target = make_target("llama", vocab=64, dtype=torch.float32)
     draft = make_draft(target, block_size=4, dtype=torch.float32)
-    seqs = _greedy_sequences(target, 8, new=16)
-    state = train(target, draft, seqs, TrainConfig(**_TINY, steps=4))
+    seqs = [(ids[: len(ids) - 3 * i], p) for i, (ids, p) in enumerate(_greedy_sequences(target, 8, new=26))]
+    adamw = loop.make_optimizer
+    loop.make_optimizer = lambda model, cfg: torch.optim.SGD(model.parameters(), lr=0.5)
+    try:
+        state = train(target, draft, seqs, TrainConfig(**{**_TINY, "grad_clip": 1e9}, steps=4))
+    finally:
+        loop.make_optimizer = adamw
     return [h["loss"] for h in state.history], {k: v.detach().clone() for k, v in draft.state_dict().items()}
 
 
