@@ -305,3 +305,33 @@ def test_corpus_rebuilds_prompts_with_each_shards_generation_seed(tmp_path):
     for fit_seed in (0, 1):
         corpus = load_corpus(tmp_path, tok, seed=fit_seed)
         assert len(corpus.sequences) == 3 and corpus.skipped == 0, fit_seed
+
+
+def test_load_training_data_holds_out_prompts_spread_over_sources(tmp_path):
+    """Every sequence of every folder is either trained on or held out, never both; the held-out samples come from
+    distinct sources while there are sources left; their prompt and response are the shards' own."""
+    from dflash_core.training.fit import load_training_data
+    from dflash_core.training.prompts import build_prompts
+    from experiments.models import ByteTokenizer
+
+    tok = ByteTokenizer()
+    by_source: dict[str, list] = {}
+    for p in build_prompts(0):
+        by_source.setdefault(p.source, []).append(p)
+    sources = sorted(by_source)[:3]
+    for k, folder in enumerate(("a", "b")):
+        samples = []
+        for j, src in enumerate(sources):
+            for p in by_source[src][4 * k: 4 * k + 2]:
+                n = len(tok.encode(p.text + "\n\n"))
+                samples.append(ShardSample(f"{p.prompt_id}#p0", src, "greedy", n, [10 + j, 20, 30 + k]))
+        write_shard(tmp_path / folder, "shard-x", samples, {"seed": 0})
+    data = load_training_data([tmp_path / "a", tmp_path / "b"], tok, seed=0, eval_prompts=3, log=lambda *_: None)
+    assert len(data.sequences) == 12 - 3 and len(data.eval_prompts) == 3 and not data.has_features
+    assert sorted(r[0] for r in data.held_responses) == [10, 11, 12]  # one per source (first token = source)
+    trained = {(tuple(ids.tolist()), p) for ids, p in data.sequences}
+    for prompt, response in zip(data.eval_prompts, data.held_responses):
+        assert (tuple(prompt + response), len(prompt)) not in trained
+    assert data.response_tokens == 3 * len(data.sequences)
+    again = load_training_data([tmp_path / "a", tmp_path / "b"], tok, seed=0, eval_prompts=3, log=lambda *_: None)
+    assert again.eval_prompts == data.eval_prompts  # the hold-out is seeded
