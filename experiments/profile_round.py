@@ -36,7 +36,7 @@ from experiments.models import resolve_dtype
 from experiments.schema import write_json_atomic
 
 
-def _load(pair: str, dtype_name: str, device: torch.device):
+def _load(pair: str, dtype_name: str, device: torch.device, draft_dir: str | None = None):
     from dflash_core.default import load_default_pair, stop_token_ids
 
     if pair == "tiny":
@@ -48,6 +48,10 @@ def _load(pair: str, dtype_name: str, device: torch.device):
         prompts = [torch.randint(0, target.config.vocab_size, (24,), generator=g).tolist() for _ in range(2)]
         return target, draft, prompts, []
     target, draft, tokenizer = load_default_pair(resolve_dtype(dtype_name, device), device)
+    if draft_dir is not None:  # another drafter for the embedded target (e.g. one with a Markov head)
+        from dflash_core import load_draft
+
+        draft = load_draft(draft_dir, device=device, dtype=next(draft.parameters()).dtype)
     from .drafter_eval import protocol_prompts
 
     prompts = [ids for _, _, _, ids in protocol_prompts(tokenizer)]
@@ -176,6 +180,7 @@ def main(argv=None) -> None:
     p.add_argument("--device", default="auto", help="auto (CUDA when available, else the CPU), cuda, cuda:1, cpu")
     p.add_argument("--methods", default="ar,chain,4,8,16,32", help="ar, chain, auto and node budgets, comma-separated")
     p.add_argument("--prompts", type=int, default=3)
+    p.add_argument("--draft", default=None, help="a drafter folder for the default pair (default: the shipped one)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--kernels", default="torch",
@@ -190,7 +195,7 @@ def main(argv=None) -> None:
         torch.set_num_threads(a.threads)
     from dflash_core.default import resolve_device
 
-    target, draft, prompts, stops = _load(a.pair, a.dtype, resolve_device(a.device))
+    target, draft, prompts, stops = _load(a.pair, a.dtype, resolve_device(a.device), a.draft)
     prompts = prompts[: a.prompts]
     methods = [m if m in ("ar", "chain", "auto") else int(m) for m in a.methods.split(",")]
     if "packed" in kernels:
