@@ -109,12 +109,21 @@ def build_conditioned_tree(logits: torch.Tensor, budget: int, bias: Callable[[in
     return best_first_conditioned(expand, base.shape[0], int(budget), int(root))
 
 
+PREFETCH_BELOW = 8  # budgets from here on batch the likely parents' children up front (MarkovScorer.prefetch)
+
+
 def build_markov_tree(scorer, budget: int, root: int, token_map: torch.Tensor | None = None) -> DraftTree:
-    """The best ``budget``-node tree of a round's :class:`~dflash_core.markov.MarkovScorer` (the loop's path)."""
+    """The best ``budget``-node tree of a round's :class:`~dflash_core.markov.MarkovScorer` (the loop's path).
+    From 8 nodes on, the children of each depth's likely tokens come from one batched product (exact: a parent
+    outside that set is computed on its own)."""
     ids = None if token_map is None else token_map.detach().cpu().numpy().astype(np.int64)
+    if budget >= PREFETCH_BELOW and scorer.depth > 1:
+        scorer.prefetch(width=4, k=budget)
 
     def expand(depth: int, parent_token: int, k: int):
-        return top_children(scorer.log_probs(depth, [parent_token])[0], k, ids)
+        log_probs, columns = scorer.top_children(depth, parent_token, k)
+        keep = np.isfinite(log_probs)
+        return log_probs[keep], (columns[keep] if ids is None else ids[columns[keep]])
 
     return best_first_conditioned(expand, scorer.depth, int(budget), int(root))
 

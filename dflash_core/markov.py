@@ -63,16 +63,16 @@ class MarkovHead(nn.Module):
     def forward(self, prev: torch.Tensor, states: torch.Tensor | None = None) -> torch.Tensor:
         return self.out(self.codes(prev, states))  # [N, V']
 
-    def numpy_weights(self) -> tuple[np.ndarray, np.ndarray]:
-        """(E [V'+1, r], W_out^T [r, V']) as float32 numpy arrays, cached until the weights change."""
+    def float_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(E [V'+1, r], W_out^T [r, V']) as contiguous float32 CPU tensors, cached until the weights change."""
         key = tuple((w.data_ptr(), w._version, w.dtype) for w in (self.embed.weight, self.out.weight))
-        cached = self.__dict__.get("_numpy")
+        cached = self.__dict__.get("_float")
         if cached is None or cached[0] != key:
             with torch.no_grad():
-                embed = self.embed.weight.detach().float().cpu().numpy()
-                out = np.ascontiguousarray(self.out.weight.detach().float().cpu().numpy().T)
+                embed = self.embed.weight.detach().float().cpu().contiguous()
+                out = self.out.weight.detach().float().cpu().t().contiguous()
             cached = (key, embed, out)
-            self.__dict__["_numpy"] = cached
+            self.__dict__["_float"] = cached
         return cached[1], cached[2]
 
 
@@ -82,34 +82,65 @@ class MarkovScorer:
     ``base`` [D, V'] float32: the block's compact logits (row d-1 = depth d); ``states`` [D, H]: the drafter's output
     states; ``to_index``: target ids -> draft indices (OOV bucket for tokens outside the draft vocabulary).
     ``log_probs(depth, prev)`` is the log-softmax of ``base[depth-1] + bias(prev)``: exactly the distribution the
-    head was trained to give. The hot path runs in numpy float32 (a tree builder calls it once per expanded node).
+    head was trained to give, as a float32 numpy row (a tree builder calls it once per expanded node). The product
+    runs in torch, on the threads the models use: a numpy product would start BLAS threads of its own, which keep
+    spinning after each call and, on two cores, slow the next target forward about twofold.
     """
 
     def __init__(self, head: MarkovHead, base: torch.Tensor, states: torch.Tensor, to_index) -> None:
-        self.base = base.detach().float().cpu().numpy()  # [D, V']
+        self.base = base.detach().float().cpu()  # [D, V']
+        self._cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}  # (depth, parent column) -> children
         self.depth = self.base.shape[0]
         self._to_index = to_index
-        self._embed, self._out = head.numpy_weights()  # [V'+1, r], [r, V']
+        self._embed, self._out = head.float_weights()  # [V'+1, r], [r, V']
         with torch.no_grad():
             self._gate = None if head.gate is None else torch.sigmoid(
-                head.gate(states.to(head.gate.weight.device, head.gate.weight.dtype))).float().cpu().numpy()  # [D, r]
+                head.gate(states.to(head.gate.weight.device, head.gate.weight.dtype))).float().cpu()  # [D, r]
 
     def index(self, token_ids) -> np.ndarray:
         """Target ids -> rows of the head's embedding (the OOV bucket for ids outside the draft vocabulary)."""
         return self._to_index(np.asarray(token_ids, dtype=np.int64))
 
-    def logits(self, depth: int, prev_ids) -> np.ndarray:
+    def logits(self, depth: int, prev_ids) -> torch.Tensor:
         """[m, V'] conditioned logits of ``depth`` (1-based) after the previous tokens ``prev_ids`` (target ids)."""
-        z = self._embed[self.index(prev_ids)]  # [m, r]
+        z = self._embed[torch.from_numpy(self.index(prev_ids))]  # [m, r]
         if self._gate is not None:
             z = z * self._gate[depth - 1]
-        return self.base[depth - 1] + z @ self._out
+        return torch.addmm(self.base[depth - 1], z, self._out)
+
+    def prefetch(self, width: int, k: int) -> None:
+        """Compute in one batched product the children of the ``width`` most likely tokens of every depth under the
+        block's unconditioned logits (where nearly every tree node lies), their ``k`` best each; later
+        :meth:`top_children` calls for those parents are lookups. Exact: the same numbers as computed one by one."""
+        with torch.no_grad():
+            width, k = min(width, self.base.shape[1]), min(k, self.base.shape[1])
+            parents = torch.topk(self.base[:-1], width, dim=-1).indices  # [D-1, m] draft columns at depths 1..D-1
+            z = self._embed[parents]  # [D-1, m, r] (a draft column is the head's embedding row)
+            if self._gate is not None:
+                z = z * self._gate[1:, None, :]  # the children's depth decides the gate
+            rows = self.base[1:, None, :] + z @ self._out  # [D-1, m, V'] children rows at depths 2..D
+            values, columns = torch.topk(rows, k, dim=-1)
+            log_probs = (values - torch.logsumexp(rows, dim=-1, keepdim=True)).double().numpy()
+        columns, parents = columns.numpy(), parents.numpy()
+        self._cache = {(d + 2, int(parents[d, j])): (log_probs[d, j], columns[d, j])
+                       for d in range(parents.shape[0]) for j in range(parents.shape[1])}
+
+    def top_children(self, depth: int, prev_id: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ``k`` most probable draft-vocabulary columns of ``depth`` after the token ``prev_id`` (a target id),
+        best first: (float64 log-probabilities, columns). From :meth:`prefetch`'s batch when it holds that parent
+        with at least ``k`` children, else one product, a logsumexp and a top-k."""
+        hit = self._cache.get((depth, int(self.index(prev_id))))
+        if hit is not None and len(hit[0]) >= k:
+            return hit[0][:k], hit[1][:k]
+        with torch.no_grad():
+            row = self.logits(depth, [prev_id])[0]  # [V']
+            values, columns = torch.topk(row, min(k, row.shape[0]))
+            return (values - torch.logsumexp(row, 0)).double().numpy(), columns.numpy()
 
     def log_probs(self, depth: int, prev_ids) -> np.ndarray:
         """[m, V'] float32 log-probabilities of ``depth`` given the previous tokens (target ids)."""
-        x = self.logits(depth, prev_ids)
-        x = x - x.max(axis=-1, keepdims=True)
-        return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+        with torch.no_grad():
+            return torch.log_softmax(self.logits(depth, prev_ids), dim=-1).numpy()
 
 
 def attach_markov_head(draft, rank: int, kind: str = "token") -> MarkovHead:
