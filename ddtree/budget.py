@@ -36,6 +36,7 @@ no clock unless given one (``clock=time.perf_counter``), so a policy built with 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
@@ -48,10 +49,11 @@ from typing import Callable
 import numpy as np
 import torch
 
-from dflash_core.decoding import Chain
+from dflash_core.policy import BlockPolicy, Chain, DraftBlock, as_block
 from dflash_core.tree import DraftTree
 
 from .build import build_tree
+from .conditioned import build_markov_tree
 from .cost import CostModel, OnlineCost, context_bucket, default_cap, measure_cost_model
 
 __all__ = ["AutoBudget", "Round", "RoundMemory", "CALIBRATIONS", "RULES", "calibrated_probs", "best_prefix",
@@ -190,7 +192,7 @@ def calibrated_probs(log_p: np.ndarray, depths: np.ndarray, rounds, method: str,
     return (memory.bucket_hits[mine] + prior * p) / (memory.bucket_nodes[mine] + prior)
 
 
-class AutoBudget:
+class AutoBudget(BlockPolicy):
     """Per-round tree size that maximizes committed tokens per second under the machine's cost curve.
 
     Each round the best-first tree is built up to ``cap`` nodes (``chain=True``: the drafter's top-1 chain, i.e. a
@@ -293,7 +295,11 @@ class AutoBudget:
             return None
         return self.memory.tokens / max(self.memory.seconds, 1e-12)
 
-    def observe(self, accepted_draft_tokens: int, path: list[int] | None = None) -> None:
+    def observe(self, path: list[int]) -> None:
+        """The loop's feedback: the accepted nodes that were committed this round."""
+        self.record(len(path), path)
+
+    def record(self, accepted_draft_tokens: int, path: list[int] | None = None) -> None:
         """Feed back the round just verified: how many draft tokens the target accepted and (when known) which
         nodes (indices into the proposal). Without ``path`` the accepted nodes are taken as the best-first
         tree's most probable node at each depth up to the accepted count (exact for a chain)."""
@@ -313,11 +319,11 @@ class AutoBudget:
                     accepted[at[np.argmax(log_p[at])]] = True
         self.memory.append(Round(log_p, depths, accepted, seconds))
 
-    def propose(self, draft_logits: torch.Tensor, history: list[int], token_map: torch.Tensor | None = None):
-        """The prefix of the best-first tree (or chain) worth verifying this round. ``token_map`` [V]: logit column
-        j is target token ``token_map[j]`` (None: column j is token j)."""
+    def propose(self, block: DraftBlock, history: list[int], token_map: torch.Tensor | None = None):
+        """The prefix of the best-first tree (or chain) worth verifying this round. ``block`` is the round's
+        :class:`DraftBlock` (or logits with their ``token_map``, as callers of the older contract pass them)."""
         now = self.start_round(history)
-        full, probs = self.candidates(draft_logits, history, token_map)
+        full, probs = self.candidates(as_block(block, history, token_map), history)
         n = self.choose(probs)
         self.remember(full.log_probs.double().numpy()[:n], full.depths.numpy()[:n], n, now, len(history))
         return truncate_tree(full, n)  # a chain's prefix is a chain: verified without a mask
@@ -330,13 +336,15 @@ class AutoBudget:
             self._time_round(now, len(history))
         return now
 
-    def candidates(self, draft_logits: torch.Tensor, history: list[int], token_map: torch.Tensor | None = None
-                   ) -> tuple[DraftTree, np.ndarray]:
-        """The drafter's best tree (or chain) at the cap and its nodes' calibrated acceptance probabilities."""
+    def candidates(self, block: DraftBlock, history: list[int]) -> tuple[DraftTree, np.ndarray]:
+        """The drafter's best tree (or chain) at the cap and its nodes' calibrated acceptance probabilities: under
+        the conditioned distribution when the drafter has a Markov head (``block.scorer``)."""
         if self.chain:
-            full = Chain().propose(draft_logits[: self.cap], history, token_map=token_map)
+            full = Chain().propose(dataclasses.replace(block, logits=block.logits[: self.cap], _full=None), history)
+        elif block.scorer is not None:
+            full = build_markov_tree(block.scorer, self.cap, block.root, block.token_map)
         else:
-            full = build_tree(draft_logits, self.cap, token_map=token_map)
+            full = build_tree(block.logits, self.cap, token_map=block.token_map)
         ready = len(self.memory) >= self.warmup
         probs = calibrated_probs(full.log_probs.double().numpy(), full.depths.numpy(), self.memory if ready else (),
                                  self.calibrate)

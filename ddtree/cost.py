@@ -286,15 +286,14 @@ def _fixed_seconds(adapter: TargetAdapter, draft, context: int, repeats: int, ca
     feats = adapter.forward(torch.randint(0, vocab, (context,), generator=gen), torch.arange(context),
                             adapter.new_cache()).features  # [context, taps * hidden]
     policy = AutoBudget(CostModel((0, 1), (1.0, 1.0), 0.0), cap=cap, calibrate=False, chain=chain)  # timed, not used
-    propose, compact = decoding.proposer(policy)  # the loop hands the policy what it takes
     new = min(4, context - 1)  # a steady round: a few newly committed tokens join the drafter's cache
     draft_cache = DraftCache()
     decoding.draft_states(draft, adapter, 0, feats[: context - new], context - new, draft_cache)  # the context before
     root = int(torch.randint(0, vocab, (1,), generator=gen))
 
     def draft_round():  # the loop's draft step and the policy's proposal
-        propose(decoding.draft_block(draft, adapter, root, feats[context - new:], context, draft_cache,
-                                     compact=compact), [root])  # the loop's history ends with the root
+        block = decoding.draft_round(draft, adapter, root, feats[context - new:], context, draft_cache)
+        policy.propose(block, [root])  # the loop's history ends with the root
         draft_cache.crop(context - new)
 
     return median_seconds(draft_round, repeats, adapter.device, warmup=1)

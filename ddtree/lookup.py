@@ -31,10 +31,12 @@ import numpy as np
 import torch
 
 from dflash_core.lookup import NgramIndex
+from dflash_core.policy import BlockPolicy, DraftBlock, as_block
 from dflash_core.tree import ROOT, DraftTree
 
 from .budget import AutoBudget, truncate_tree
 from .build import build_tree
+from .conditioned import build_markov_tree
 
 __all__ = ["LookupTreePolicy", "merge_lookup"]
 
@@ -73,7 +75,7 @@ def merge_lookup(tree: DraftTree, continuation: list[int], estimates: list[float
     return merged, placed, [origin.get(p, -1) for p in chosen]
 
 
-class LookupTreePolicy:
+class LookupTreePolicy(BlockPolicy):
     """Proposal policy: the DDTree with the context's continuation merged in (module docstring), under a fixed node
     ``budget`` (an int) or sized per round by an :class:`~ddtree.budget.AutoBudget` (``budget=AutoBudget(...)``):
     ``auto`` then ranks its calibrated drafter nodes and the lookup nodes together and chooses how many of the
@@ -156,20 +158,25 @@ class LookupTreePolicy:
             out.append(a)
         return out
 
-    def propose(self, draft_logits: torch.Tensor | None, history: list[int], token_map: torch.Tensor | None = None
+    def propose(self, block: DraftBlock | None, history: list[int], token_map: torch.Tensor | None = None
                 ) -> DraftTree:
+        """The round's tree: the drafter's (conditioned when it has a Markov head) with the continuation merged in;
+        ``block`` None (the drafter skipped): the continuation alone. Logits with their ``token_map`` (the older
+        contract) are taken too."""
+        block = as_block(block, history, token_map)
         n, continuation, estimates = self._lookup if self._lookup is not None else self._match(history)
         self._lookup = None
-        self.skipped.append(draft_logits is None)
-        if draft_logits is None:  # the drafter was skipped: the continuation alone (values: its estimates)
+        self.skipped.append(block is None)
+        if block is None:  # the drafter was skipped: the continuation alone (values: its estimates)
             m = min(len(continuation), self.budget)
             self._drafter_nodes, self._round = {}, ((n, list(range(m))) if m else None)
             log_p = [math.log(max(a, 1e-300)) for a in estimates[:m]]
             return DraftTree(torch.tensor(continuation[:m], dtype=torch.long), torch.arange(-1, m - 1),
                              torch.arange(1, m + 1), torch.tensor(log_p, dtype=torch.float64))
         if self.auto is not None:
-            return self._propose_auto(draft_logits, history, token_map, n, continuation, estimates)
-        tree = build_tree(draft_logits, self.budget, token_map=token_map)
+            return self._propose_auto(block, history, n, continuation, estimates)
+        tree = (build_markov_tree(block.scorer, self.budget, block.root, block.token_map) if block.scorer is not None
+                else build_tree(block.logits, self.budget, token_map=block.token_map))
         if not estimates or self.budget == 0:
             self._round = None
             return tree
@@ -177,10 +184,10 @@ class LookupTreePolicy:
         self._round = (n, placed)
         return merged
 
-    def _propose_auto(self, draft_logits, history, token_map, n, continuation, estimates) -> DraftTree:
+    def _propose_auto(self, block, history, n, continuation, estimates) -> DraftTree:
         auto = self.auto
         now = auto.start_round(history)
-        full, probs = auto.candidates(draft_logits, history, token_map)
+        full, probs = auto.candidates(block, history)
         merged, placed, origin = merge_lookup(full, continuation, estimates, auto.cap, values=probs)
         size = auto.choose(np.exp(merged.log_probs.numpy()))
         kept = [o for o in origin[:size] if o >= 0]  # the drafter's nodes among those verified
@@ -192,12 +199,12 @@ class LookupTreePolicy:
         self._round = (n, placed[:leading]) if leading else None
         return truncate_tree(merged, size)
 
-    def observe(self, accepted: int, path: list[int]) -> None:
+    def observe(self, path: list[int]) -> None:
         """Learn from the walk: how deep along the continuation's nodes the accepted path went (and, under
         ``auto``, which of the drafter's nodes were accepted)."""
         if self.auto is not None and not self.skipped[-1]:  # auto learns from the rounds it sized
             mine = [self._drafter_nodes[i] for i in path if i in self._drafter_nodes]
-            self.auto.observe(accepted, mine)
+            self.auto.record(len(path), mine)
         if self._round is None:
             self.lookup_committed.append(0)
             return

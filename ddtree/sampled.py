@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from dflash_core.decoding import follow
+from dflash_core.policy import BlockPolicy, DraftBlock
 
 from dflash_core.tree import ROOT, DraftTree
 
@@ -238,7 +239,7 @@ class _Rows:
         return self.probs[row]
 
 
-class SampledTreePolicy:
+class SampledTreePolicy(BlockPolicy):
     """Proposal policy: a tree of at most ``budget`` nodes whose children are sampled from the drafter.
 
     The children of a node at depth d are draws WITHOUT replacement from q_{d+1} = softmax(draft_logits[d] / T_draft)
@@ -291,10 +292,16 @@ class SampledTreePolicy:
             token = int(np.flatnonzero(rest)[-1])
         return token
 
-    def propose(self, draft_logits: torch.Tensor, history: list[int] | None = None,
+    def propose(self, block: DraftBlock | torch.Tensor, history: list[int] | None = None,
                 token_map: torch.Tensor | None = None) -> SampledDraftTree:
-        """draft_logits: [depth, V'] (row d-1 drafts depth d); returns a SampledDraftTree of <= budget nodes.
-        ``token_map`` (the loop's id map of compact logits) overrides the one given at construction."""
+        """``block``: the round's :class:`DraftBlock` (or draft logits [depth, V'], row d-1 drafting depth d, with an
+        optional ``token_map``); returns a SampledDraftTree of <= budget nodes. The block's (or the given) id map of
+        compact logits overrides the one given at construction. A drafter's Markov head is not used here: children
+        are drawn from the block's per-depth distributions."""
+        if isinstance(block, DraftBlock):
+            draft_logits, token_map = block.logits, block.token_map
+        else:
+            draft_logits = block
         depth, width = draft_logits.shape
         token_map = self.token_map if token_map is None else token_map.to(torch.int64).cpu()
         mapped = token_map is not None and width == token_map.shape[0]

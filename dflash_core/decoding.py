@@ -27,8 +27,7 @@ import torch
 from .markov import markov_scorer
 from .model import DFlashDraftModel, DraftCache
 from .policy import (
-    BlockPolicy, Chain, DraftBlock, NoDraft, Proposal, ProposalPolicy, check_proposal, check_structure,
-    drafter_wanted, observer, proposer,
+    BlockPolicy, Chain, DraftBlock, NoDraft, Proposal, ProposalPolicy, as_policy, check_proposal, check_structure,
 )
 from .target import TargetAdapter, check_compatibility
 from .timing import StageTimer
@@ -36,8 +35,8 @@ from .tree import ROOT, DraftTree, child_index
 
 __all__ = [
     "GenerationResult", "Proposal", "ProposalPolicy", "NoDraft", "Chain", "check_proposal", "compile_proposal",
-    "follow", "speculative_generate", "autoregressive_generate", "dflash_generate", "draft_states", "draft_block",
-    "verify_proposal", "commit_path", "truncate_at_stop", "validate_request", "prefill", "proposer", "drafter_wanted",
+    "follow", "speculative_generate", "autoregressive_generate", "dflash_generate", "draft_states",
+    "verify_proposal", "commit_path", "truncate_at_stop", "validate_request", "prefill",
     "draft_round", "make_block", "check_structure",
 ]
 
@@ -209,18 +208,6 @@ def draft_states(draft: DFlashDraftModel, adapter: TargetAdapter, root: int, pen
     return hidden[0]
 
 
-def draft_block(draft: DFlashDraftModel, adapter: TargetAdapter, root: int, pending: torch.Tensor, start: int,
-                draft_cache: DraftCache, block_size: int | None = None, compact: bool = False):
-    """Step 1, draft: float32 logits from one drafter pass; row d-1 drafts the token at depth d.
-
-    Default: [b-1, V] over the target vocabulary (tokens outside a reduced draft vocabulary get -inf). With
-    ``compact``: the pair (logits [b-1, V'] over the draft vocabulary, its id map [V'] or None), what the loop hands
-    to policies that take ``token_map`` (no log-softmax over the ~90% of columns that are -inf).
-    """
-    states = draft_states(draft, adapter, root, pending, start, draft_cache, block_size)[1:]  # [b-1, H]
-    return adapter.draft_logits(states, draft) if compact else adapter.lm_head(states, draft)
-
-
 def make_block(draft: DFlashDraftModel, adapter: TargetAdapter, states: torch.Tensor, root: int) -> DraftBlock:
     """A :class:`DraftBlock` from the drafter's output states [b-1, H] of a block rooted at ``root``: compact logits
     over the draft vocabulary and, for a drafter with a Markov head, its conditional scorer."""
@@ -262,7 +249,7 @@ def speculative_generate(
     target,
     draft: DFlashDraftModel | None,
     input_ids: torch.Tensor,
-    policy: ProposalPolicy,
+    policy: BlockPolicy,
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     stop_token_ids: Sequence[int] | None = None,
@@ -276,8 +263,8 @@ def speculative_generate(
     Every round the tree's structure is checked (:func:`check_structure`: what positions, mask and cache rely on);
     ``check_trees`` adds the costlier checks of :func:`check_proposal` (distinct sibling tokens), for developing a
     policy."""
-    adapter, stops = _prepare(target, draft, input_ids, policy, max_new_tokens, temperature, stop_token_ids,
-                              block_size)
+    policy, adapter, stops = _prepare(target, draft, input_ids, policy, max_new_tokens, temperature, stop_token_ids,
+                                      block_size)
     device, uses_draft = adapter.device, policy.uses_draft
     generator, timer = torch.Generator(device=device).manual_seed(seed), StageTimer(device)
     result = GenerationResult([], [], {}, int(input_ids.shape[1]), trees=[] if trace else None)
@@ -290,16 +277,14 @@ def speculative_generate(
     result.new_token_ids.append(root)
     history = input_ids[0].tolist() + [root]
     done = root in stops or max_new_tokens <= 1
-    observe = observer(policy)  # optional feedback hook: the nodes accepted this round
-    propose, _ = proposer(policy)  # the policy's view of the round's DraftBlock
-    wanted, t_loop = drafter_wanted(policy), time.perf_counter()
+    t_loop = time.perf_counter()
     while not done:
         drafted = None
-        if wanted(history):
+        if uses_draft and policy.wants_draft(history):
             with timer.stage("draft"):  # the round's DraftBlock: [b-1, V'] logits, id map, states, Markov scorer
                 drafted = draft_round(draft, adapter, root, pending, start, draft_cache, block_size)
         with timer.stage("tree"):
-            proposal = propose(drafted, history)
+            proposal = policy.propose(drafted, history)
             check_structure(proposal, policy.name)
             if check_trees:
                 check_proposal(proposal)
@@ -309,8 +294,7 @@ def speculative_generate(
             path, bonus = verify_walk(proposal, out.logits, temperature, generator)
             committed, done = truncate_at_stop([int(proposal.token_ids[i]) for i in path] + [bonus], stops,
                                                max_new_tokens - len(result.new_token_ids))
-            if observe is not None:
-                observe(path[: len(committed)])  # the accepted nodes that were committed (a stop cuts the rest)
+            policy.observe(path[: len(committed)])  # the accepted nodes that were committed (a stop cuts the rest)
             carried = pending if drafted is None else None  # a round without the drafter consumed no features
             start, pending = commit_path(adapter, cache, start, path, out.features, carried)
             result.add_round(committed, proposal)
@@ -323,11 +307,10 @@ def speculative_generate(
 
 
 def _prepare(target, draft, input_ids, policy, max_new_tokens, temperature, stop_token_ids, block_size):
-    """Validate a generation request; returns the target adapter and the set of stop ids."""
+    """Validate a generation request; returns the policy (older ones adapted: :func:`as_policy`), the target adapter
+    and the set of stop ids."""
     validate_request(input_ids, max_new_tokens, temperature)
-    if not callable(getattr(policy, "propose", None)) or not isinstance(getattr(policy, "uses_draft", None), bool):
-        raise TypeError(f"{type(policy).__name__} is not a proposal policy: it needs propose(draft_logits, history) "
-                        "and a bool uses_draft (True when it reads the drafter's logits); see ProposalPolicy")
+    policy = as_policy(policy)
     if policy.uses_draft:
         if draft is None:
             raise ValueError(f"policy {policy.name!r} needs a drafter; pass draft=...")
@@ -337,7 +320,7 @@ def _prepare(target, draft, input_ids, policy, max_new_tokens, temperature, stop
     adapter = TargetAdapter(target, draft.config.target_layer_ids if policy.uses_draft else ())
     adapter.check_token_ids(input_ids)
     _check_room(adapter, int(input_ids.shape[1]), max_new_tokens)
-    return adapter, _check_stop_ids(adapter, stop_token_ids)
+    return policy, adapter, _check_stop_ids(adapter, stop_token_ids)
 
 
 def autoregressive_generate(target, input_ids: torch.Tensor, max_new_tokens: int = 128, temperature: float = 0.0,

@@ -17,6 +17,7 @@ from typing import Sequence
 import torch
 
 from .decoding import GenerationResult, speculative_generate
+from .policy import BlockPolicy
 from .tree import DraftTree
 
 __all__ = ["NgramIndex", "PromptLookup", "lookup_generate"]
@@ -78,7 +79,7 @@ class NgramIndex:
         return 0, []
 
 
-class PromptLookup:
+class PromptLookup(BlockPolicy):
     """Proposal policy: the continuation of the longest earlier match of the context's suffix (see the module).
 
     The index follows the history the loop hands over (:meth:`NgramIndex.follow`). ``lookup_committed``: per round,
@@ -96,12 +97,12 @@ class PromptLookup:
         self.index = NgramIndex(max_ngram, occurrence)
         self.lookup_committed: list[int] = []
 
-    def propose(self, draft_logits, history: list[int]) -> DraftTree:
+    def propose(self, block: None, history: list[int]) -> DraftTree:
         self.index.follow(history)
         _, tokens = self.index.continuation(self.num_tokens)
         return DraftTree.chain(torch.tensor(tokens, dtype=torch.long))  # no draft probabilities: unknown (NaN)
 
-    def observe(self, accepted: int, path: list[int]) -> None:
+    def observe(self, path: list[int]) -> None:
         """The round's accepted nodes that were committed: every one of them is a lookup token."""
         self.lookup_committed.append(len(path))
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -23,8 +24,8 @@ import torch
 from .markov import MarkovScorer
 from .tree import DraftTree
 
-__all__ = ["BlockPolicy", "Chain", "DraftBlock", "NoDraft", "Proposal", "ProposalPolicy", "check_proposal",
-           "check_structure", "drafter_wanted", "observer", "proposer", "as_block"]
+__all__ = ["BlockPolicy", "Chain", "DraftBlock", "LegacyPolicy", "NoDraft", "Proposal", "ProposalPolicy",
+           "as_block", "as_policy", "check_proposal", "check_structure"]
 
 
 @dataclass
@@ -101,6 +102,9 @@ class Proposal(Protocol):
 
 
 class ProposalPolicy(Protocol):
+    """The OLDER policy contract, still accepted through :class:`LegacyPolicy` (with a DeprecationWarning); new
+    policies subclass :class:`BlockPolicy`."""
+
     name: str
     uses_draft: bool
 
@@ -188,34 +192,6 @@ def check_structure(proposal: Proposal, policy_name: str) -> None:
             "orders nodes given in any order")
 
 
-def observer(policy):
-    """The policy's feedback hook as ``f(path)`` (None when it has none). A :class:`BlockPolicy` is called as
-    ``observe(path)``; an older policy as ``observe(len(path), path)`` when its ``observe`` takes the accepted nodes
-    too, else ``observe(len(path))``."""
-    if isinstance(policy, BlockPolicy):
-        return policy.observe
-    observe = getattr(policy, "observe", None)
-    if observe is None:
-        return None
-    try:
-        params = list(inspect.signature(observe).parameters.values())
-        takes_path = len(params) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
-    except (TypeError, ValueError):  # a builtin without a signature
-        takes_path = False
-    if takes_path:
-        return lambda path: observe(len(path), path)
-    return lambda path: observe(len(path))
-
-
-def drafter_wanted(policy):
-    """``f(history) -> bool``: whether this round runs the drafter. True every round for a policy that uses it,
-    unless it has ``wants_draft(history)`` (a lookup policy may skip the pass when the context is reliable enough:
-    it then gets no draft); False for policies that never use it."""
-    if not policy.uses_draft:
-        return lambda history: False
-    return getattr(policy, "wants_draft", None) or (lambda history: True)
-
-
 def as_block(drafted, history: list[int], token_map: torch.Tensor | None = None) -> DraftBlock | None:
     """A round's draft as a :class:`DraftBlock`: the loop's own, or logits (with their ``token_map``, or as a
     ``(logits, token_map)`` pair) from a caller written to the older contract (policies that wrap a built-in one)."""
@@ -226,24 +202,64 @@ def as_block(drafted, history: list[int], token_map: torch.Tensor | None = None)
     return DraftBlock(logits, token_map, root, int(logits.shape[-1] if token_map is None else -1))
 
 
-def proposer(policy):
-    """(``f(drafted, history) -> proposal``, whether the policy takes compact logits). ``drafted`` is the round's
-    :class:`DraftBlock` (or what :func:`draft_block` returned; None when the drafter did not run). A
-    :class:`BlockPolicy` gets the block. An older policy whose ``propose`` takes ``token_map`` gets the compact logits
-    and their id map; any other gets full-vocabulary rows."""
-    if isinstance(policy, BlockPolicy):
-        return (lambda drafted, history: policy.propose(as_block(drafted, history), history)), True
+class LegacyPolicy(BlockPolicy):
+    """A policy written to the older contract (``propose(draft_logits, history[, token_map])``, ``observe(accepted
+    [, path])``), run through the new one: how it is called is read once from its signatures, here, and never in
+    the decode loop. Its other attributes (``lookup_committed``, ``calibration_s``, ...) read through."""
+
+    def __init__(self, policy) -> None:
+        if not callable(getattr(policy, "propose", None)) or not isinstance(getattr(policy, "uses_draft", None), bool):
+            raise TypeError(f"{type(policy).__name__} is not a proposal policy: it needs propose(block, history) "
+                            "and a bool uses_draft (True when it reads the drafter); subclass dflash_core.BlockPolicy, "
+                            "see dflash_core.policy")
+        warnings.warn(f"{type(policy).__name__} is written to the older policy contract (propose(draft_logits, "
+                      "history)); subclass dflash_core.BlockPolicy and take the round's DraftBlock instead",
+                      DeprecationWarning, stacklevel=3)
+        self.inner, self.uses_draft = policy, policy.uses_draft
+        self.name = getattr(policy, "name", type(policy).__name__)
+        self._compact = _takes(policy.propose, "token_map")
+        self._observe = getattr(policy, "observe", None)
+        self._observe_path = self._observe is not None and _positional(self._observe) >= 2
+        self._wants = getattr(policy, "wants_draft", None)
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["inner"], name)
+
+    def propose(self, block: DraftBlock | None, history: list[int]):
+        if block is None:
+            return self.inner.propose(None, history, token_map=None) if self._compact else \
+                self.inner.propose(None, history)
+        if self._compact:
+            return self.inner.propose(block.logits, history, token_map=block.token_map)
+        return self.inner.propose(block.full_logits(), history)
+
+    def observe(self, path: list[int]) -> None:
+        if self._observe is not None:
+            self._observe(len(path), path) if self._observe_path else self._observe(len(path))
+
+    def wants_draft(self, history: list[int]) -> bool:
+        return self.uses_draft and (self._wants is None or bool(self._wants(history)))
+
+
+def _takes(fn, name: str) -> bool:
     try:
-        compact = "token_map" in inspect.signature(policy.propose).parameters
+        return name in inspect.signature(fn).parameters
     except (TypeError, ValueError):  # a builtin without a signature
-        compact = False
+        return False
 
-    def propose(drafted, history):
-        if isinstance(drafted, DraftBlock):
-            drafted = (drafted.logits, drafted.token_map) if compact else drafted.full_logits()
-        if not compact:
-            return policy.propose(drafted, history)
-        logits, token_map = (None, None) if drafted is None else drafted
-        return policy.propose(logits, history, token_map=token_map)
 
-    return propose, compact
+def _positional(fn) -> int:
+    """How many positional arguments ``fn`` takes (a large number for ``*args``)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return 1
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return 1 << 30
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+
+
+def as_policy(policy) -> BlockPolicy:
+    """``policy`` itself when it is a :class:`BlockPolicy`, else its :class:`LegacyPolicy` adapter (with a
+    DeprecationWarning); a TypeError for an object that is no policy."""
+    return policy if isinstance(policy, BlockPolicy) else LegacyPolicy(policy)

@@ -28,8 +28,7 @@ import torch
 
 from .blocks import block_attention_mask, block_inputs
 from .decoding import (
-    ProposalPolicy, autoregressive_generate, check_structure, drafter_wanted, make_block, observer, proposer,
-    truncate_at_stop, verify_walk,
+    BlockPolicy, as_policy, autoregressive_generate, check_structure, make_block, truncate_at_stop, verify_walk,
 )
 from .target import TargetAdapter
 
@@ -79,7 +78,7 @@ def draft_hidden_all_rounds(target, draft, ids: torch.Tensor, prompt_len: int, c
 
 
 @torch.no_grad()
-def replay(target, draft, policy: ProposalPolicy, ids: torch.Tensor, prompt_len: int, max_new_tokens: int,
+def replay(target, draft, policy: BlockPolicy, ids: torch.Tensor, prompt_len: int, max_new_tokens: int,
            stop_token_ids: Sequence[int] | None = None, hidden: torch.Tensor | None = None) -> ReplayResult:
     """Replay greedy decoding of ``ids[prompt_len:]`` (the target's greedy continuation) with ``policy``.
 
@@ -98,19 +97,17 @@ def replay(target, draft, policy: ProposalPolicy, ids: torch.Tensor, prompt_len:
     done = history[-1] in stops or max_new_tokens <= 1
     anchor = prompt_len
     result = ReplayResult([], [])
-    observe = observer(policy)
-    propose, _ = proposer(policy)
-    wanted = drafter_wanted(policy)
+    policy = as_policy(policy)
     while not done:
         if anchor - prompt_len >= len(hidden):
             raise ValueError("the continuation ended before max_new_tokens without a stop token: pass the full "
                              "greedy continuation (plain decoding with the same stop tokens and max_new_tokens)")
         drafted = None
-        if wanted(history):  # as the loop: the policy may skip the drafter this round
+        if policy.uses_draft and policy.wants_draft(history):  # as the loop: the policy may skip the drafter
             states = hidden[anchor - prompt_len].to(adapter.device)  # [b-1, H]
             drafted = make_block(draft, adapter, states, history[-1])
-        proposal = propose(drafted, history)
-        check_structure(proposal, getattr(policy, "name", type(policy).__name__))
+        proposal = policy.propose(drafted, history)
+        check_structure(proposal, policy.name)
         # the target's greedy choice after a node at depth d is the continuation's token at anchor + d + 1 (only
         # nodes on the continuation's path are ever reached by the walk); past the end: a token no child carries
         depths = torch.cat([torch.zeros(1, dtype=torch.long), proposal.depths.cpu().long()])
@@ -122,8 +119,7 @@ def replay(target, draft, policy: ProposalPolicy, ids: torch.Tensor, prompt_len:
         path, bonus = verify_walk(proposal, logits, 0.0, None)
         committed, done = truncate_at_stop([int(proposal.token_ids[i]) for i in path] + [bonus], stops,
                                            max_new_tokens - generated)
-        if observe is not None:
-            observe(path[: len(committed)])  # as the decode loop: only the accepted nodes that were committed
+        policy.observe(path[: len(committed)])  # as the decode loop: only the accepted nodes that were committed
         history += committed
         generated += len(committed)
         if anchor + len(committed) >= t:
@@ -137,7 +133,7 @@ def replay(target, draft, policy: ProposalPolicy, ids: torch.Tensor, prompt_len:
     return result
 
 
-def replay_policies(target, draft, policies: dict[str, ProposalPolicy], ids: torch.Tensor, prompt_len: int,
+def replay_policies(target, draft, policies: dict[str, BlockPolicy], ids: torch.Tensor, prompt_len: int,
                     max_new_tokens: int, stop_token_ids: Sequence[int] | None = None) -> dict[str, ReplayResult]:
     """Replay several policies from one drafter pass over ``ids``."""
     hidden = draft_hidden_all_rounds(target, draft, ids, prompt_len)
@@ -145,7 +141,7 @@ def replay_policies(target, draft, policies: dict[str, ProposalPolicy], ids: tor
             for name, pol in policies.items()}
 
 
-def replay_generate(target, draft, input_ids: torch.Tensor, policy: ProposalPolicy | dict[str, ProposalPolicy],
+def replay_generate(target, draft, input_ids: torch.Tensor, policy: BlockPolicy | dict[str, BlockPolicy],
                     max_new_tokens: int = 128, stop_token_ids: Sequence[int] | None = None):
     """Replay greedy decoding of a prompt with one policy (or a dict name -> policy) without running the rounds.
 

@@ -49,6 +49,7 @@ from typing import Any, Callable
 import torch
 
 from ddtree.cost import measure_cost_model
+from dflash_core.policy import BlockPolicy
 from dflash_core.tree import DraftTree
 from dflash_core.timing import median_seconds
 
@@ -166,7 +167,7 @@ def oracle_check(target, layer_ids, config: CheckConfig, device: torch.device) -
             "argmax_agreement": agree / len(diffs), "logit_scale": float(tree_logits.std())}
 
 
-class OraclePolicy:
+class OraclePolicy(BlockPolicy):
     """A tree that holds the target's true greedy continuation on a NON-first branch, so rounds really accept tokens.
 
     ``reference`` is plain decoding's output for the prompt. Each round, at every depth, ``width - 1`` decoy tokens
@@ -191,7 +192,7 @@ class OraclePolicy:
     def _true(self, k: int) -> int:
         return self.reference[k] if k < len(self.reference) else 0
 
-    def propose(self, draft_logits, history: list[int], token_map=None) -> DraftTree:
+    def propose(self, block, history: list[int]) -> DraftTree:
         done = len(history) - self.prompt_len  # tokens committed so far (the root included)
         reach = 1 + (self.rounds * 5) % self.depth  # the spine follows the reference down to this depth
         self.rounds += 1

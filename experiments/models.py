@@ -246,7 +246,13 @@ def parameter_count(config: dict[str, Any]) -> int:
     total = layers * (attn + 2 * hidden) + sparse_layers * moe_mlp + (layers - sparse_layers) * dense_mlp + hidden
     if _is_draft_config(cfg):
         taps = len((cfg.get("dflash_config") or {}).get("target_layer_ids") or cfg.get("target_layer_ids") or [0])
-        return total + taps * hidden * hidden + hidden  # fc, hidden_norm
+        total += taps * hidden * hidden + hidden  # fc, hidden_norm
+        markov = cfg.get("markov_head") or {}
+        if markov:  # embedding (+ the out-of-vocabulary row), output, and the gate when it has one
+            rank, draft_vocab = int(markov["rank"]), int(cfg.get("draft_vocab_size") or cfg["vocab_size"])
+            total += (draft_vocab + 1) * rank + rank * draft_vocab
+            total += (hidden * rank + rank) if markov.get("kind") == "gated" else 0
+        return total
     vocab = int(cfg.get("vocab_size") or 0)
     return total + vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
 

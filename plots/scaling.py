@@ -37,10 +37,16 @@ def tokens_for(fit: tuple[float, float] | None, goal: float) -> float | None:
     return 10 ** ((goal - fit[0]) / fit[1])
 
 
+def base_series(log: dict) -> list[dict]:
+    """The curve's points of the original design (no ``series`` field); other designs are their own series
+    (e.g. ``"markov"``: drafters with a Markov head) and stay out of the fit."""
+    return [p for p in log.get("curve", []) if p.get("series", "base") == "base"]
+
+
 def scaling_summary(log: dict, goals: dict[str, float] | None = None) -> dict:
     """Per tau kind: the fit, the tokens the goal needs, and the CPU hours that takes at the last run's rate."""
     goals = goals or {"tau_chain": 2.5, "tau_b32": 3.3}
-    curve = log.get("curve", [])
+    curve = base_series(log)
     runs = log.get("runs", [])
     rate = runs[-1].get("end_to_end_response_tokens_per_s") if runs else None
     out = {}
@@ -60,7 +66,8 @@ def plot_scaling(log: dict, out: str | Path, title: str = "") -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    curve = log.get("curve", [])
+    curve = base_series(log)
+    others = [p for p in log.get("curve", []) if p.get("series", "base") != "base"]
     summary = scaling_summary(log)
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for kind, color, label in (("tau_chain", "tab:blue", "DFlash chain"), ("tau_b32", "tab:orange", "DDTree B=32")):
@@ -75,6 +82,12 @@ def plot_scaling(log: dict, out: str | Path, title: str = "") -> Path:
             xs = [lo * (hi / lo) ** (i / 40) for i in range(41)]
             ax.plot(xs, [fit[0] + fit[1] * math.log10(x) for x in xs], "--", color=color, linewidth=1,
                     label=f"{label} fit (goal {goal} at {summary[kind]['tokens_needed']:.2g} tokens)")
+    for kind, color, label in (("tau_chain", "navy", "DFlash chain"), ("tau_b32", "darkred", "DDTree B=32")):
+        for series in sorted({p["series"] for p in others}):
+            pts = sorted((p["tokens"], p[kind]) for p in others if p["series"] == series and p["tokens"] > 0)
+            if pts:
+                ax.plot([t for t, _ in pts], [y for _, y in pts], "s--", color=color, markersize=6,
+                        label=f"{label}, {series} design")
     ax.set_xscale("log")
     ax.set_xlabel("training response tokens seen (cumulative, all runs)")
     ax.set_ylabel("tau (fixed protocol: 24 prompts, greedy, 128 tokens)")

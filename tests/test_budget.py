@@ -78,7 +78,7 @@ def test_policy_feedback_moves_beta():
     logits = torch.randn(8, 40, generator=torch.Generator().manual_seed(0)) * 3
     for _ in range(10):
         policy.propose(logits, [])
-        policy.observe(0)  # the target never agrees: the drafter is over-confident
+        policy.record(0)  # the target never agrees: the drafter is over-confident
     assert policy.beta > 1.0
 
 
@@ -276,7 +276,7 @@ def _run_rounds(policy, clock, seconds_of, rounds, rng, history):
         n = len(policy.propose(logits, history).token_ids)
         clock.now += seconds_of(n)
         accepted = int(rng.integers(0, min(n, 2) + 1))
-        policy.observe(accepted)
+        policy.record(accepted)
         history = history + [5] * (accepted + 1)
     return history
 

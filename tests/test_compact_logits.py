@@ -10,7 +10,7 @@ from conftest import make_draft, make_target, prompt
 from ddtree import build_tree, ddtree_generate
 from ddtree.build import reference_build_tree
 from dflash_core import Chain, autoregressive_generate, dflash_generate, speculative_generate
-from dflash_core.decoding import proposer
+from dflash_core.policy import LegacyPolicy
 
 
 def _compact_and_full(seed: int, depth: int = 6, subset: int = 300, vocab: int = 2000):
@@ -82,7 +82,7 @@ def test_the_loop_hands_compact_logits_only_to_policies_that_take_the_map():
         assert set(spy.shapes) == {(3, 40 if compact else 64)}
         if compact:
             assert all(torch.equal(m.cpu(), draft.draft_vocab) for m in spy.maps)
-        assert proposer(spy)[1] is compact
+        assert LegacyPolicy(spy)._compact is compact  # older-contract policies: how they are called, read once
     assert outputs[True] == outputs[False] == plain  # fp64: both equal plain decoding
 
 

@@ -132,7 +132,7 @@ def test_auto_with_lookup_ranks_both_sources_and_learns_from_the_drafters_nodes(
     assert (3, 3, 3, 3) in paths and (5, 6, 1, 2) in paths  # both sources made it into one tree
     paths = _paths(tree)
     path = [paths.index((5,)), paths.index((5, 6))]  # the target accepted two tokens of the continuation
-    policy.observe(2, path)
+    policy.observe(path)
     assert policy.lookup_committed == [2]
     # auto learns from its own nodes only: (5,) may be a drafter node too (merged), (5, 6) is the lookup's alone
     drafter = policy._drafter_nodes

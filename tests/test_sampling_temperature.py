@@ -30,8 +30,8 @@ class FixedSampled(SampledTreePolicy):
 
     logits = DRAFT_LOGITS
 
-    def propose(self, draft_logits, history=None, token_map=None):
-        return super().propose(self.logits[: draft_logits.shape[0]], history)
+    def propose(self, block, history=None, token_map=None):
+        return super().propose(self.logits[: block.logits.shape[0]], history)
 
 
 class ConfidentWithReplacement(WithReplacement):
@@ -39,8 +39,8 @@ class ConfidentWithReplacement(WithReplacement):
 
     logits = 1.5 * DRAFT_LOGITS
 
-    def propose(self, draft_logits, history=None, token_map=None):
-        return super().propose(self.logits[: draft_logits.shape[0]], history)
+    def propose(self, block, history=None, token_map=None):
+        return super().propose(self.logits[: block.logits.shape[0]], history)
 
 
 class Confident(FixedSampled):
