@@ -55,6 +55,9 @@ class DraftBlock:
         """[D, V] float32 over the target's whole vocabulary, -inf outside the draft vocabulary (computed once)."""
         if self.token_map is None:
             return self.logits
+        if self.vocab_size < 0:
+            raise ValueError("this DraftBlock was built from compact logits without the target's vocabulary size: "
+                             "build it with DraftBlock(logits, token_map, root, vocab_size) to get full rows")
         if self._full is None:
             full = self.logits.new_full((self.depth, self.vocab_size), float("-inf"))
             self._full = full.index_copy_(-1, self.token_map.to(full.device), self.logits)
