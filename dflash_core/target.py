@@ -3,19 +3,23 @@
 Everything version-specific lives here: how the KV cache is passed (``cache=`` in transformers 5.x,
 ``past_key_values=`` before), how a tree reaches the model (a 4D additive mask plus explicit position ids), how the
 cache is cropped and compacted (5.x's ``DynamicCache.crop`` takes a negative count; we slice the layers directly), and
-which hidden states feed the drafter (``hidden_states[layer_id + 1]``; index 0 is the embedding output).
+which hidden states feed the drafter (:func:`tapped_forward`: tap i is layer i's output; index 0 of transformers'
+hidden-state tuple is the embedding output). The decode loop, replay, the training loss, the training stream and
+data generation all read the drafter's features through :func:`tapped_forward`, so the tap convention lives in one
+line.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-__all__ = ["TargetAdapter", "TargetOutput", "IncompatibleModelError", "SUPPORTED_MODEL_TYPES", "TREE_MASK_BACKENDS",
-           "check_compatibility", "check_tree_attention"]
+__all__ = ["TargetAdapter", "TargetOutput", "TappedOutput", "tapped_forward", "IncompatibleModelError",
+           "SUPPORTED_MODEL_TYPES", "TREE_MASK_BACKENDS", "check_compatibility", "check_tree_attention"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral", "qwen3_moe")
 # attention backends that apply a custom 4D mask as given; flash-attention kernels read a mask as 2D padding only
@@ -30,6 +34,39 @@ class IncompatibleModelError(ValueError):
 class TargetOutput:
     logits: torch.Tensor  # [n, V] float32 (n = new tokens, or 1 when only the last position was asked for)
     features: torch.Tensor | None  # [n, n_taps * hidden] tapped hidden states, None when no taps were requested
+
+
+@dataclass
+class TappedOutput:
+    features: torch.Tensor | None  # [B, n, n_taps * hidden] tapped hidden states on the head's device; None: no taps
+    logits: torch.Tensor | None  # [B, n', V] as the model returns them (its dtype); None when run without the head
+    last_hidden: torch.Tensor | None  # [B, n, hidden] the final normed states; only when run without the head
+
+
+def tapped_forward(model: nn.Module, input_ids: torch.Tensor, layer_ids: Sequence[int], head: bool = True,
+                   **forward_kwargs) -> TappedOutput:
+    """One forward of a Hugging Face causal LM over ``input_ids`` [B, n]: the drafter's features and the logits.
+
+    The drafter is conditioned on the outputs of the target layers ``layer_ids``, concatenated in that order. In
+    transformers' ``hidden_states`` tuple index 0 is the embedding output, so layer i's output is
+    ``hidden_states[i + 1]``; this function is the only place that indexes it, so that the decode loop, replay, the
+    training loss, the stream and data generation cannot disagree on which states a drafter sees. With the layers
+    split over several devices (``device_map="auto"``) the taps are gathered on the head's device.
+
+    ``head=False`` runs the base model (``model.model``) and returns its ``last_hidden`` instead of logits: the
+    training stream applies only the draft vocabulary's rows of the head, which is much cheaper than the full one.
+    ``forward_kwargs`` pass through (cache, attention mask, position ids, ``use_cache``, ``logits_to_keep``). Grad
+    mode is the caller's.
+    """
+    want = bool(layer_ids)
+    out = (model if head else model.model)(input_ids=input_ids, output_hidden_states=want, **forward_kwargs)
+    features = None
+    if want:
+        device = model.lm_head.weight.device
+        features = torch.cat([out.hidden_states[i + 1].to(device) for i in layer_ids], dim=-1)
+    if head:
+        return TappedOutput(features, out.logits, None)
+    return TappedOutput(features, None, out.last_hidden_state)
 
 
 class TargetAdapter:
@@ -191,21 +228,12 @@ class TargetAdapter:
             kwargs["attention_mask"] = mask
         if last_only and self._has_logits_to_keep:
             kwargs["logits_to_keep"] = 1
-        want_features = with_features and bool(self.layer_ids)
-        out = self.model(
-            input_ids=token_ids.view(1, n).to(self.device),
-            position_ids=position_ids.view(1, n).to(self.device),
-            output_hidden_states=want_features,
-            **kwargs,
-        )
+        out = tapped_forward(self.model, token_ids.view(1, n).to(self.device), self.layer_ids if with_features else (),
+                             position_ids=position_ids.view(1, n).to(self.device), **kwargs)
         logits = out.logits[0]
         if last_only:
             logits = logits[-1:]
-        features = None
-        if want_features:
-            # hidden_states[0] is the embedding output, so layer i's output is hidden_states[i + 1]; with the layers
-            # split over several GPUs (device_map="auto") the taps are gathered on the head's device first
-            features = torch.cat([out.hidden_states[i + 1][0].to(self.device) for i in self.layer_ids], dim=-1)
+        features = None if out.features is None else out.features[0]
         return TargetOutput(logits=logits.float(), features=features)
 
 
