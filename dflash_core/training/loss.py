@@ -40,10 +40,16 @@ class SequenceFeatures:
 
 @torch.no_grad()
 def target_features(target, ids: torch.Tensor, layer_ids: Sequence[int], topk: int) -> SequenceFeatures:
-    """One teacher-forced target pass over ``ids`` [T] (no grad): tapped hidden states and top-k distributions."""
+    """One teacher-forced target pass over ``ids`` [T] (no grad): tapped hidden states and top-k distributions.
+
+    The features come from :func:`dflash_core.target.tapped_forward`, the one reader of the target's taps, so the
+    drafter trains on exactly the states the decode loop will hand it.
+    """
+    from ..target import tapped_forward
+
     device = target.lm_head.weight.device
-    out = target(input_ids=ids[None].to(device), output_hidden_states=True, use_cache=False)
-    feats = torch.cat([out.hidden_states[i + 1][0].to(device) for i in layer_ids], dim=-1)  # [T, taps*H]
+    out = tapped_forward(target, ids[None].to(device), layer_ids, use_cache=False)
+    feats = out.features[0]  # [T, taps*H]
     top_ids = top_logp = None
     if topk > 0:
         logp = torch.log_softmax(out.logits[0].float(), dim=-1)
