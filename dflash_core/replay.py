@@ -30,7 +30,7 @@ from .blocks import block_attention_mask, block_inputs
 from .decoding import (
     BlockPolicy, as_policy, autoregressive_generate, check_structure, make_block, truncate_at_stop, verify_walk,
 )
-from .target import TargetAdapter
+from .target import TargetAdapter, tapped_forward
 
 __all__ = ["ReplayResult", "draft_hidden_all_rounds", "replay", "replay_policies", "replay_generate"]
 
@@ -59,8 +59,7 @@ def draft_hidden_all_rounds(target, draft, ids: torch.Tensor, prompt_len: int, c
     t = ids.shape[0]
     if not 0 < prompt_len < t:
         raise ValueError(f"need 0 < prompt_len < len(ids), got prompt_len={prompt_len}, len(ids)={t}")
-    out = target(input_ids=ids[None], output_hidden_states=True, use_cache=False)
-    feats = torch.cat([out.hidden_states[i + 1][0] for i in draft.config.target_layer_ids], dim=-1)  # [T, taps*H]
+    feats = tapped_forward(target, ids[None], adapter.layer_ids, use_cache=False).features[0]  # [T, taps*H]
     d_param = next(draft.parameters())
     b = draft.block_size
     anchors_all = torch.arange(prompt_len, t, device=device)

@@ -24,6 +24,8 @@ from typing import Sequence
 
 import torch
 
+from ..target import tapped_forward
+
 __all__ = ["GeneratedSequence", "generate_batch", "sample_next", "teacher_forced_ceiling", "GrowingCache",
            "fast_decoding"]
 
@@ -176,11 +178,6 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generato
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
-def _taps(hidden_states, layer_ids: Sequence[int]) -> torch.Tensor:
-    # hidden_states[0] is the embedding output: layer i's output is hidden_states[i + 1]
-    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
-
-
 def _left_padded(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, W] token ids and attention mask of the prompts, left-padded so that every row's last prompt token sits in
     the last column."""
@@ -199,9 +196,9 @@ def _prefill(target, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, c
              layer_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward over the padded prompts into ``cache``: their tapped features [B, W, F] and the distribution of
     each row's first response token [B, V]."""
-    out = target(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True,
-                 output_hidden_states=True, logits_to_keep=1)
-    return _taps(out.hidden_states, layer_ids), out.logits[:, -1].float()
+    out = tapped_forward(target, ids, layer_ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
+                         use_cache=True, logits_to_keep=1)
+    return out.features, out.logits[:, -1].float()
 
 
 @dataclass
@@ -274,9 +271,9 @@ def _decode(target, cache, logits: torch.Tensor, attn: torch.Tensor, next_pos: t
             cache.batch_select_indices(keep)
             rows, nxt, attn, next_pos = rows[keep], nxt[keep], attn[keep], next_pos[keep]
         attn = torch.cat([attn, torch.ones((len(rows), 1), dtype=attn.dtype, device=device)], dim=1)
-        out = target(input_ids=nxt[:, None], attention_mask=attn, position_ids=next_pos[:, None],
-                     past_key_values=cache, use_cache=True, output_hidden_states=True)
-        bufs.feats[rows, step] = _taps(out.hidden_states, how.layer_ids)[:, 0]
+        out = tapped_forward(target, nxt[:, None], how.layer_ids, attention_mask=attn, position_ids=next_pos[:, None],
+                             past_key_values=cache, use_cache=True)
+        bufs.feats[rows, step] = out.features[:, 0]
         logits = out.logits[:, -1].float()
         next_pos = next_pos + 1
         step += 1

@@ -38,6 +38,7 @@ import torch
 
 from ..files import atomic_write
 from ..model import DFlashDraftModel
+from ..target import tapped_forward
 from .blocks import sample_anchors
 from .config import TrainConfig
 from .loop import _lr_factor, batch_weight, load_checkpoint, make_optimizer, optimizer_step
@@ -244,10 +245,10 @@ def teacher_forced_batch(target, draft: DFlashDraftModel, seqs: list[torch.Tenso
     x = torch.zeros((len(seqs), max(lengths)), dtype=torch.long)
     for i, s in enumerate(seqs):
         x[i, : len(s)] = s
-    out = target.model(input_ids=x.to(device), output_hidden_states=True, use_cache=False)
-    feats = torch.cat([out.hidden_states[i + 1] for i in draft.config.target_layer_ids], dim=-1)  # [B, T, taps*H]
+    out = tapped_forward(target, x.to(device), draft.config.target_layer_ids, head=False, use_cache=False)
+    feats = out.features  # [B, T, taps*H]
     head = draft.head_rows(target.lm_head.weight)  # [V', H] the draft vocabulary's rows of the target's head
-    logp = torch.log_softmax((out.last_hidden_state @ head.t()).float(), dim=-1)  # [B, T, V']
+    logp = torch.log_softmax((out.last_hidden @ head.t()).float(), dim=-1)  # [B, T, V']
     weights = distill_weights or [None] * len(seqs)
     return [SequenceFeatures(feats[i, :n], None, None, soft_logp=logp[i, :n], distill_weight=weights[i])
             for i, n in enumerate(lengths)]
