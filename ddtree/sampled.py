@@ -10,7 +10,8 @@ Three pieces, one idea each:
 
 * :class:`RecursiveRejection` -- the verification rule at one node (exact; see its docstring for why);
 * :class:`SampledTreePolicy` -- the proposal policy: children sampled without replacement from
-  q_d = softmax(draft_logits[d-1] / T_draft), tree grown best-first under the node budget;
+  q_d = softmax(draft_logits[d-1] / T_draft) (with a Markov head: from the parent's own conditioned distribution),
+  tree grown best-first under the node budget;
 * :class:`SampledDraftTree` -- the tree it returns: a :class:`DraftTree` that also records, for every node, the
   proposal its children were drawn from, and carries its own ``verify`` (the decode loop calls it instead of
   sample-and-match).
@@ -219,24 +220,37 @@ class SampledDraftTree(DraftTree):
 
 # ---------------------------------------------------------------------------------------------------- the policy
 class _Rows:
-    """Per-depth proposal rows of one round, computed lazily (a round usually touches only a few depths)."""
+    """One round's proposal rows, computed lazily and keyed by what decides them.
 
-    def __init__(self, draft_logits: torch.Tensor, temperature: float, max_rank: int) -> None:
+    Without a Markov scorer a row is a depth's distribution, keyed by the parent's depth (0 = the root): every node
+    of a depth draws its children from the same q. With a scorer (:class:`~dflash_core.markov.MarkovScorer`) a row
+    is keyed by (children's depth, parent's target token): the children of a node come from softmax((base[d-1] +
+    bias(token)) / T), and two nodes of one depth carrying one token share it exactly (the head sees only the token
+    and, when gated, the depth's drafter state)."""
+
+    def __init__(self, draft_logits: torch.Tensor, temperature: float, max_rank: int, scorer=None) -> None:
         self.logits = draft_logits.detach().to("cpu", torch.float64)  # [depth, V']
-        self.temperature, self.max_rank = temperature, max_rank
-        self.probs: dict[int, np.ndarray] = {}
-        self.cdf: dict[int, np.ndarray] = {}
-        self.top_log: dict[int, np.ndarray] = {}
+        self.temperature, self.max_rank, self.scorer = temperature, max_rank, scorer
+        self.probs: dict = {}
+        self.cdf: dict = {}
+        self.top_log: dict = {}
 
-    def prob(self, row: int) -> np.ndarray:
-        if row not in self.probs:
-            q = torch.softmax(self.logits[row] / self.temperature, dim=-1)  # [V'] float64
-            self.probs[row] = q.numpy()
-            self.cdf[row] = np.cumsum(self.probs[row])
+    def _row_logits(self, key) -> torch.Tensor:
+        if self.scorer is None:
+            return self.logits[key]
+        depth, prev = key
+        with torch.no_grad():
+            return self.scorer.logits(depth, [prev])[0].double()  # [V'] base + the head's bias after `prev`
+
+    def prob(self, key) -> np.ndarray:
+        if key not in self.probs:
+            q = torch.softmax(self._row_logits(key) / self.temperature, dim=-1)  # [V'] float64
+            self.probs[key] = q.numpy()
+            self.cdf[key] = np.cumsum(self.probs[key])
             top = torch.topk(q, min(self.max_rank, q.shape[0])).values.numpy()
             with np.errstate(divide="ignore"):
-                self.top_log[row] = np.log(top[top > 0])  # [<= K] log-probs of the row's best ranks
-        return self.probs[row]
+                self.top_log[key] = np.log(top[top > 0])  # [<= K] log-probs of the row's best ranks
+        return self.probs[key]
 
 
 class SampledTreePolicy(BlockPolicy):
@@ -249,6 +263,14 @@ class SampledTreePolicy(BlockPolicy):
     probability), and the best candidate is drawn and added until the budget is spent. The score of a candidate
     never looks at the token it will draw, only at earlier draws: that is what keeps the verification exact (see
     :class:`RecursiveRejection`). Draws use a numpy generator seeded with ``seed``, so trees are reproducible.
+
+    A drafter with a Markov head (the block's ``scorer``): the children of a node u at depth d carrying token t are
+    drawn from u's own conditioned distribution q(. | t) = softmax((base[d] + bias(t)) / T_draft) (the root's
+    children after the root token), and the k-th child of u is scored with the k-th largest probability of that row.
+    The row depends on t, which was drawn before any child of u, so the shape still never looks at a child's own
+    value, and the tree records for each node the very row its children came from: the rule at that node runs with
+    exactly that q, which is all its proof asks for (the rule is per node; nothing assumes siblings of different
+    parents share a proposal). Without a head the draws, the random stream and the tree are the same as before.
 
     ``token_map`` (the drafter's ``d2t``): when the draft logits have one column per entry of it, columns are draft
     indices and sampled tokens are mapped to target ids. ``rule`` is the verification rule the trees carry.
@@ -296,10 +318,11 @@ class SampledTreePolicy(BlockPolicy):
                 token_map: torch.Tensor | None = None) -> SampledDraftTree:
         """``block``: the round's :class:`DraftBlock` (or draft logits [depth, V'], row d-1 drafting depth d, with an
         optional ``token_map``); returns a SampledDraftTree of <= budget nodes. The block's (or the given) id map of
-        compact logits overrides the one given at construction. A drafter's Markov head is not used here: children
-        are drawn from the block's per-depth distributions."""
+        compact logits overrides the one given at construction. With the block's Markov scorer each node's children
+        are drawn from that node's own conditioned distribution, and the tree records that row for verification."""
+        scorer, root = None, ROOT
         if isinstance(block, DraftBlock):
-            draft_logits, token_map = block.logits, block.token_map
+            draft_logits, token_map, scorer, root = block.logits, block.token_map, block.scorer, block.root
         else:
             draft_logits = block
         depth, width = draft_logits.shape
@@ -307,22 +330,31 @@ class SampledTreePolicy(BlockPolicy):
         mapped = token_map is not None and width == token_map.shape[0]
         if self.budget == 0 or depth == 0:
             return SampledDraftTree.empty()
-        rows = _Rows(draft_logits, self.draft_temperature, self.budget)
-
+        rows = _Rows(draft_logits, self.draft_temperature, self.budget, scorer)
         tokens: list[int] = []  # draft indices
         parents: list[int] = []
         depths: list[int] = []
         scores: list[float] = []
         taken: dict[int, list[int]] = {ROOT: []}
-        if not np.isfinite(rows.prob(0)).all() or rows.top_log[0].size == 0:
-            raise ValueError("draft_logits row 0 has no finite probabilities (NaN or +/-inf logits, or a row of "
-                             "-inf): cannot sample the root's children")
+
+        def key(node: int):
+            """The row the children of ``node`` are drawn from (see :class:`_Rows`)."""
+            if scorer is None:
+                return 0 if node == ROOT else depths[node]  # children of a depth-d node come from row d
+            if node == ROOT:
+                return 1, int(root)
+            return depths[node] + 1, int(token_map[tokens[node]]) if mapped else tokens[node]
+
+        first = key(ROOT)
+        if not np.isfinite(rows.prob(first)).all() or rows.top_log[first].size == 0:
+            raise ValueError("draft_logits row 0 has no finite probabilities (NaN or +/-inf logits, or a row of -inf; "
+                             "with a Markov head: after its bias for the root): cannot sample the root's children")
         # candidates "the next child of a node": (-priority, tie order, parent node, rank of that child)
-        heap = [(-float(rows.top_log[0][0]), 0, ROOT, 0)]
+        heap = [(-float(rows.top_log[first][0]), 0, ROOT, 0)]
         pushes = 1
         while heap and len(tokens) < self.budget:
             _, _, parent, rank = heapq.heappop(heap)
-            row = 0 if parent == ROOT else depths[parent]  # children of a depth-d node come from row d
+            row = key(parent)
             token = self.draw_child(rows, row, taken[parent])
             if token is None:
                 continue
@@ -330,32 +362,40 @@ class SampledTreePolicy(BlockPolicy):
             base = 0.0 if parent == ROOT else scores[parent]
             tokens.append(token)
             parents.append(parent)
-            depths.append(row + 1)
+            depths.append(1 if parent == ROOT else depths[parent] + 1)
             scores.append(base + math.log(rows.probs[row][token]))
             taken[parent].append(token)
             taken[node] = []
             if rank + 1 < len(rows.top_log[row]):  # its next sibling
                 heapq.heappush(heap, (-(base + float(rows.top_log[row][rank + 1])), pushes, parent, rank + 1))
                 pushes += 1
-            if row + 1 < depth:  # its first child
-                rows.prob(row + 1)
-                if len(rows.top_log[row + 1]):
-                    heapq.heappush(heap, (-(scores[node] + float(rows.top_log[row + 1][0])), pushes, node, 0))
+            if depths[node] < depth:  # its first child: scored from its own row, known now that its token is
+                below = key(node)
+                rows.prob(below)
+                if len(rows.top_log[below]):
+                    heapq.heappush(heap, (-(scores[node] + float(rows.top_log[below][0])), pushes, node, 0))
                     pushes += 1
+        return self._tree(tokens, parents, depths, scores, rows, key, token_map if mapped else None)
 
-        used = max(depths) if tokens else 0  # parents live at depths 0..used-1: rows 0..used-1
-        proposals = torch.from_numpy(np.stack([rows.prob(r) for r in range(used)]))  # [used, V']
-        ids = torch.tensor(tokens, dtype=torch.int64)
-        if mapped:
-            ids = token_map[ids]
-        depth_t = torch.tensor(depths, dtype=torch.int64)
-        rows_of = torch.cat([torch.zeros(1, dtype=torch.int64), depth_t])  # [n+1] root first
+    def _tree(self, tokens: list[int], parents: list[int], depths: list[int], scores: list[float], rows: _Rows,
+              key, token_map: torch.Tensor | None) -> SampledDraftTree:
+        """Pack the drawn nodes with one proposal row per distinct row their parents drew from, in the order the
+        nodes first used it (without a scorer: rows 0..max depth - 1, row d for the children of depth d)."""
         has_children = torch.zeros(len(tokens) + 1, dtype=torch.bool)
         has_children[torch.tensor(parents, dtype=torch.int64) + 1] = True
+        order: dict = {}
+        proposal_rows = torch.full((len(tokens) + 1,), -1, dtype=torch.int64)  # [n+1] root first
+        for node in range(-1, len(tokens)):
+            if has_children[node + 1]:
+                proposal_rows[node + 1] = order.setdefault(key(node), len(order))
+        width = rows.logits.shape[1]
+        proposals = torch.from_numpy(np.stack([rows.prob(k) for k in order])) if order else \
+            torch.zeros(0, width, dtype=torch.float64)  # [R, V']
+        ids = torch.tensor(tokens, dtype=torch.int64)
         return SampledDraftTree(
-            ids, torch.tensor(parents, dtype=torch.int64), depth_t, torch.tensor(scores, dtype=torch.float64),
-            proposals=proposals, proposal_rows=torch.where(has_children, rows_of, torch.full_like(rows_of, -1)),
-            token_map=token_map if mapped else None, rule=self.rule)
+            ids if token_map is None else token_map[ids], torch.tensor(parents, dtype=torch.int64),
+            torch.tensor(depths, dtype=torch.int64), torch.tensor(scores, dtype=torch.float64),
+            proposals=proposals, proposal_rows=proposal_rows, token_map=token_map, rule=self.rule)
 
 
 def sample_tree(draft_logits: torch.Tensor, budget: int, temperature: float = 1.0, seed: int = 0,
