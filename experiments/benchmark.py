@@ -145,13 +145,24 @@ def _run_conversations(preset: Preset, models: Models, variants: list[Variant], 
         todo = _warm_up_and_size(session, todo, run, full)
         log(f"{slug}: warm-up {time.perf_counter() - t_warm:.1f} s; "
             f"{progress.total} generations to go ({len(done)} records already done)")
+        t_run = time.perf_counter()
         try:
             for conv in todo:
                 session.run(conv)
         except StopRun:
             log("stopped after --max-generations; rerun the same command to continue")
             return False
+        _took(run, slug, time.perf_counter() - t_run)
     return True
+
+
+def _took(run: RunFolder, slug: str, seconds: float) -> None:
+    """Say (and record) how long the sized part took against its projection: the sizing's own check."""
+    projected = ((run.last_session or {}).get("sizing") or {}).get("projected_s")
+    run.update_session(took_s=round(seconds, 1))
+    if projected:
+        log(f"{slug}: decoding and replay took {seconds / 60:.1f} min, projected {projected / 60:.1f} min "
+            f"({seconds / max(projected, 1e-9):.2f}x; over 1.2x: the machine was busier than in the warm-up)")
 
 
 def _warm_up_and_size(session: Session, todo: list[Conversation], run: RunFolder, full: bool) -> list[Conversation]:
@@ -166,7 +177,8 @@ def _warm_up_and_size(session: Session, todo: list[Conversation], run: RunFolder
              if v.key(c.item.dataset, c.item.sample_id, turn, c.temperature) not in done]
     budget = None if full else preset.time_budget_s
     kept, report = size_run(units, per_token, preset.max_new_tokens, budget if budget else float("inf"), per_call,
-                            min_samples=preset.min_samples, per_turn=session.replay_turn_s)
+                            min_samples=preset.min_samples, costs=session.turn_costs,
+                            min_budgets=preset.min_budgets)
     if budget and report["left_out"]:
         turns: dict[int, int] = {}
         for u in kept:

@@ -40,6 +40,7 @@ from typing import Any, Sequence
 
 from experiments.plan_estimates import (
     PRIORS, Prior, _builtin_config, _context, _disk_refusal, _gib, _gpu_fit, pair_memory, seconds_per_token,
+    turn_costs,
 )
 from experiments.plan_render import _jsonable, render
 from experiments.plan_sources import DatasetPlan, _devices, dataset_plans
@@ -141,7 +142,9 @@ def _pair_plan(plan: dict[str, Any], convs: list, pair, folder: Path, earlier: i
         blocked.append(f"{pair.slug}: {refusal}")
     per_token = {v: seconds_per_token(v, plan["prior"], target_cfg, t_params, draft.config, d_params, pair.draft,
                                       run_bytes) for v in plan["variants"]}
-    sized = _sized_grid(plan, convs, folder, per_token)
+    costs = turn_costs(plan["preset"], plan["prior"], target_cfg, t_params, draft.config, d_params, run_bytes,
+                       replayed=len(bench_replay_variants(plan["preset"])) if draft.params or draft.config else 0)
+    sized = _sized_grid(plan, convs, folder, per_token, costs)
     load_s = ((target.checkpoint_bytes or (t_params or 0) * run_bytes) + (draft.checkpoint_bytes or 0)) / 1.5e9
     warm_s = sum(2 * plan["preset"].warmup_tokens * t for t in per_token.values())
     gpu_fit = _gpu_fit(pair, memory, devices)
@@ -153,7 +156,14 @@ def _pair_plan(plan: dict[str, Any], convs: list, pair, folder: Path, earlier: i
             "load_s": load_s, "warm_s": warm_s, "gpu_fit": gpu_fit}
 
 
-def _sized_grid(plan: dict[str, Any], convs: list, folder: Path, per_token: dict) -> dict[str, Any]:
+def bench_replay_variants(preset) -> list:
+    """The variants the run replays on plain decoding's text (:func:`experiments.replayed.replay_variants`)."""
+    from experiments.replayed import replay_variants
+
+    return replay_variants(preset)
+
+
+def _sized_grid(plan: dict[str, Any], convs: list, folder: Path, per_token: dict, costs=None) -> dict[str, Any]:
     """The pair's units not yet recorded in ``folder``, and what the runner's rule keeps of them in the budget
     (a single-process run with a budget and without --full is sized; a torchrun launch is not)."""
     from experiments import benchmark as bench
@@ -164,7 +174,8 @@ def _sized_grid(plan: dict[str, Any], convs: list, folder: Path, per_token: dict
              if v.key(c.item.dataset, c.item.sample_id, turn, c.temperature) not in done]
     sized = not plan["full"] and plan["devices"]["world"] == 1 and bool(preset.time_budget_s)
     budget = preset.time_budget_s if sized else float("inf")
-    kept, report = bench.size_run(units, per_token, preset.max_new_tokens, budget, min_samples=preset.min_samples)
+    kept, report = bench.size_run(units, per_token, preset.max_new_tokens, budget, min_samples=preset.min_samples,
+                                  costs=costs, min_budgets=preset.min_budgets)
     return {"done": len(done), "units": units, "kept": kept, "report": report, "sized": sized}
 
 

@@ -152,6 +152,24 @@ def seconds_per_token(variant, prior: Prior, target_cfg, target_params, draft_cf
     return (verify + draft_pass + tree) / tau
 
 
+def turn_costs(preset, prior: Prior, target_cfg, target_params, draft_cfg, draft_params, run_bytes: int,
+               replayed: int):
+    """The prior of what a turn costs besides decoding (:class:`experiments.sizing.TurnCosts`): the check forward
+    over a typical prompt and its answer at T = 0, and the replay of ``replayed`` policies (one teacher-forced
+    target forward, one batched drafter pass, then per policy ``max_new_tokens / tau`` rounds of a drafter block
+    and a tree at the cap)."""
+    from experiments.sizing import TurnCosts
+
+    prompt = 200  # tokens: a typical first turn of the offline datasets
+    check = _forward_s(prior, target_cfg, target_params, run_bytes, prompt + preset.max_new_tokens)
+    if not replayed:
+        return TurnCosts(per_check=check)
+    rounds = preset.max_new_tokens / 2.0  # tau ~2 for the policies replayed (the chain's and the small budgets')
+    block = prior.layer_s * max(_shape(draft_cfg)["layers"], 1) + (draft_params or 0) * run_bytes / prior.bandwidth
+    tree = 1e-3 + prior.tree_s_per_node * 128
+    return TurnCosts(per_turn=check * 2 + replayed * rounds * (block + tree), per_check=check)
+
+
 # ---------------------------------------------------------------------------------------------------- checks
 def _disk_refusal(download: int, earlier: int, cache: Path) -> str | None:
     """Why a pair's ``download`` bytes cannot fit after the earlier pairs' ``earlier`` bytes (which stay in the

@@ -103,6 +103,7 @@ class Preset:
     full_budgets: tuple[int | str, ...] = ()  # measured live only with --full (:func:`with_overrides`, full=True)
     full_lookup_budgets: tuple[int | str, ...] = ()  # likewise for DDTree+lookup
     min_samples: int = 1  # sizing never leaves out samples below this many per dataset before anything else
+    min_budgets: int = 1  # sizing keeps at least this many DDTree fixed budgets live
     replay_budgets: tuple[int | str, ...] = ()  # replayed on plain decoding's text: ints, "auto", "chain"
     replay_lookup_budgets: tuple[int | str, ...] = ()  # DDTree+lookup replayed (ints, "auto"); PLD with any
 
@@ -163,8 +164,8 @@ class Preset:
             out.append("time_budget_s must be > 0 (or None: no sizing)")
         if any(n < 1 for _, n in self.samples_per_dataset):
             out.append("samples_per_dataset entries must be >= 1")
-        if self.min_samples < 1:
-            out.append("min_samples must be >= 1")
+        if self.min_samples < 1 or self.min_budgets < 1:
+            out.append("min_samples and min_budgets must be >= 1")
         for b in self.full_budgets:
             if isinstance(b, bool) or not (isinstance(b, int) and b >= 0 or b in BUDGET_POLICIES):
                 out.append(f"full budget {b!r} is neither an int >= 0 nor one of {BUDGET_POLICIES}")
@@ -185,24 +186,31 @@ class Preset:
 
 _SMOLLM2 = ModelPair("default", "default", name="smollm2-135m")
 
-# Time budget on this 2-core CPU in bf16 (packed kernels): plain decoding ~26 ms per token, the speculative variants
-# ~1.5-2.5x faster, so one turn of the 7 live variants is ~15 s at 128 new tokens and ~11.5 s at 96; replaying a
-# turn (one teacher-forced pass, one batched drafter pass, 11 policies' rounds) adds ~2-3 s. 7 datasets x 6 prompts
-# = 42 first turns at 96 tokens, live and replayed, are ~10 min; the second turns of MT-Bench and grounded run where
-# the rest of the 12-minute budget allows (experiments.sizing: they go before any of the six prompts). The main
+# Time budget on the slowest 2-core bf16 CPU seen (AMD EPYC Zen 4: plain decoding ~22 tokens/s, 45 ms a token; the
+# Intel AMX machine is twice as fast). Per first turn at 48 new tokens (experiments.sizing counts every part): the 7
+# live variants decode 48 tokens at 1 + 0.52 (DFlash) + 0.45 (B=8) + 0.44 (B=16) + 0.45 (auto) + 0.59 (PLD) + 0.40
+# (lookup-auto) = 3.85 plain-decoding equivalents (the cost curve's round over the replayed tau), 8.4 s; 7 prefills
+# ~1.4 s; 6 check forwards where an output left plain decoding's ~1.5 s; the replay of 11 policies ~1.8 s: ~13 s, so
+# 7 datasets x 6 prompts = 42 first turns are ~9.2 min of the 12-minute budget, and the second turns of MT-Bench and
+# grounded run where the rest allows (they go before any of the six prompts). 48 tokens leave room for a machine 25%
+# slower than this one before a prompt goes; at 64 the first turns take ~11.4 min and at 96 ~15 min (the fresh-clone
+# run at 96 tokens measured ~10% more per turn than this count). The sizing never drops below the 7 live variants
+# (min_budgets=2 keeps B=8 and B=16). The main
 # job's other ~3 minutes: loading, the drafter's cost curves (measured once per machine), the warm-up and the
 # figures. What the live run no longer measures (budgets 2, 4, 32, 64, chain-auto, lookup B=16) is replayed on plain
 # decoding's own text and priced by the measured curve: every budget on the same text, `auto` among them, so `auto`
 # against the oracle is judged on equal terms (`--full` measures them live too).
 DEFAULT = Preset(
     name="default",
-    description="embedded SmolLM2-135M pair on CPU: 7 offline datasets x 6 prompts, 96 tokens, T=0, 7 live "
+    description="embedded SmolLM2-135M pair on CPU: 7 offline datasets x 6 prompts, 48 tokens, T=0, 7 live "
                 "variants, every budget 2..64 replayed",
     models=(_SMOLLM2,),
     datasets=OFFLINE_DATASETS,
     max_samples=6,
     min_samples=6,
-    max_new_tokens=96,
+    min_budgets=2,
+    warmup_tokens=32,
+    max_new_tokens=48,
     methods=("ar", "dflash", "ddtree", "pld"),
     budgets=(8, 16, "auto"),
     lookup_budgets=("auto",),
@@ -290,7 +298,9 @@ SAMPLING = Preset(
     datasets=OFFLINE_DATASETS,
     max_samples=6,
     min_samples=6,
-    max_new_tokens=96,
+    min_budgets=2,
+    warmup_tokens=32,
+    max_new_tokens=48,
     budgets=(16, 32, "auto"),
     optional_budgets=("auto",),
     trees=("topk", "sampled"),

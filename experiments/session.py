@@ -22,6 +22,7 @@ from experiments.models import Models
 from experiments.presets import Preset
 from experiments.run_folder import RunFolder
 from experiments.schema import EXTRA_AR_MARGIN, EXTRA_LOOKUP_TOKENS, EXTRA_TREE_SIZES, SampleRecord, method_label
+from experiments.sizing import TurnCosts
 from experiments.variants import Variant
 
 if TYPE_CHECKING:
@@ -156,6 +157,7 @@ class Session:
         self.replayer = replayer  # replays every turn on plain decoding's text (experiments.replayed), or None
         self.replayed = folder.replayed_keys() if replayer is not None else set()
         self.replay_turn_s = 0.0  # projected seconds of one replayed turn (measured in the warm-up)
+        self.turn_costs = TurnCosts()  # what a turn costs besides decoding (measured in the warm-up)
         self.ar = Variant("ar") if Variant("ar") in variants else None
         self.others = [v for v in variants if v.method != "ar"]
         self.chat_kwargs = dict(models.pair.chat_template_kwargs) or None
@@ -290,7 +292,40 @@ class Session:
             if variant.method == "ar" and self.replayer is not None:  # one replayed turn, scaled to the run's
                 self.replay_turn_s = self.replayer.estimate_turn_s(input_ids, result.new_token_ids, t,
                                                                    self.preset.warmup_tokens)
+        ar_prefill = next((per_call[v] for v in self.variants if v.method == "ar"), max(per_call.values(), default=0))
+        check = ar_prefill * (len(ids) + self.preset.max_new_tokens) / max(len(ids), 1)  # prompt + the answer
+        self.turn_costs = TurnCosts(self.replay_turn_s, check, self._context_scale(todo, len(ids)))
         return per_token, per_call
+
+    def _turn_length(self, conv: Conversation, turn: int) -> int:
+        """Tokens before a turn's answer: its chat (earlier answers empty) plus the earlier answers' tokens."""
+        ids = build_chat(self.models.tokenizer, conv.item.turns[: turn + 1], [""] * turn,
+                         chat_template_kwargs=self.chat_kwargs)
+        return len(ids) + turn * self.preset.max_new_tokens
+
+    def _context_scale(self, todo: Sequence[Conversation], warm_length: int) -> dict[tuple[int, int], float]:
+        """{(conversation, turn): how much slower a step is at the turn's context than at ``warm_length``}: the
+        measured cost curves' one-token step at the two context buckets (no drafter: no curve, 1.0), within
+        [0.5, 4] (a curve disturbed while it was measured must not size the run alone)."""
+        if self.models.draft is None:
+            return {}
+        from ddtree.cost import context_bucket, default_cap, measure_cost_model
+
+        cap = default_cap(self.models.device)
+        steps: dict[int, float] = {}
+
+        def step(length: int) -> float:
+            bucket = context_bucket(length)
+            if bucket not in steps:
+                curve = measure_cost_model(self.models.target, self.models.draft, context=bucket, cap=cap,
+                                           extrapolate=True)
+                steps[bucket] = float(curve.verify(0))
+            return steps[bucket]
+
+        base = step(warm_length + self.preset.max_new_tokens // 2)
+        return {(c.index, turn): min(4.0, max(0.5, step(self._turn_length(c, turn) + self.preset.max_new_tokens // 2)
+                                               / base))
+                for c in todo for turn in range(c.num_turns)}
 
     def restrict(self, variants: list[Variant]) -> None:
         """Measure only ``variants`` in this session (a sized run)."""

@@ -1,16 +1,25 @@
 """Self-sizing: after the warm-up, project the run's decoding time on this machine and leave work out by a fixed
-rule until it fits the preset's time budget (``--full`` runs everything)."""
+rule until it fits the preset's time budget (``--full`` runs everything).
+
+What a turn costs (:class:`TurnCosts`, every part measured on this machine in the warm-up): each variant's prefill
+and ``max_new_tokens`` at its seconds per token, scaled by how much slower a step is at the turn's context than at
+the warm-up's (the measured cost curves' one-token step at the two context buckets: a second turn carries the first
+answer, a grounded prompt its document); at T = 0 one more prefill-sized forward per speculative variant (the run
+prices where an output first leaves plain decoding's, :func:`experiments.session.top2_margin`); and the turn's
+replay of every replayed budget on plain decoding's text (:mod:`experiments.replayed`), measured on the warm-up's
+text and scaled to the run's tokens. The sum over the kept turns is the projection the run states, with its parts,
+and compares with the time it really took at the end."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from experiments.session import Conversation
     from experiments.variants import Variant
 
-__all__ = ["Unit", "coverage", "coverage_message", "size_run", "sizing_message"]
+__all__ = ["TurnCosts", "Unit", "coverage", "coverage_message", "size_run", "sizing_message"]
 
 
 @dataclass(frozen=True)
@@ -20,6 +29,22 @@ class Unit:
     conv: "Conversation"
     turn: int
     variant: "Variant"
+
+
+@dataclass(frozen=True)
+class TurnCosts:
+    """What one turn costs besides its variants' decoding, and how a turn's context changes every cost.
+
+    ``per_turn``: the replay of the turn (seconds, at the warm-up's context); ``per_check``: one prefill-sized
+    forward per speculative variant at T = 0 (where its output first left plain decoding's); ``scale``: {(conversation
+    index, turn): seconds at that turn's context / seconds at the warm-up's}, 1.0 for turns not listed."""
+
+    per_turn: float = 0.0
+    per_check: float = 0.0
+    scale: dict = field(default_factory=dict)
+
+    def factor(self, u: "Unit") -> float:
+        return self.scale.get((u.conv.index, u.turn), 1.0)
 
 
 def _samples_by_dataset(units: list[Unit]) -> dict[str, list[tuple[int, str]]]:
@@ -68,10 +93,10 @@ def _drop_later_turns(units: list[Unit], cost, budget_s: float) -> tuple[list[Un
     return [u for u in units if not (u.turn > 0 and u.conv.index in dropped)], left_out
 
 
-def _drop_budget(kept: list[Unit]) -> tuple[list[Unit], str] | None:
-    """Drop one DDTree fixed budget from the outside in (the middle one stays), or None when one is left."""
+def _drop_budget(kept: list[Unit], keep: int = 1) -> tuple[list[Unit], str] | None:
+    """Drop one DDTree fixed budget from the outside in (the middle one stays), or None when ``keep`` are left."""
     fixed = sorted({u.variant.budget for u in kept if u.variant.method == "ddtree" and u.variant.policy == "fixed"})
-    if len(fixed) <= 1:
+    if len(fixed) <= max(1, keep):
         return None
     drop = fixed[-1] if len(fixed) % 2 == 0 else fixed[0]  # outside in: the middle budget stays
     return [u for u in kept if not (u.variant.policy == "fixed" and u.variant.budget == drop)], f"DDTree budget {drop}"
@@ -87,34 +112,37 @@ def _drop_dataset(kept: list[Unit]) -> tuple[list[Unit], str] | None:
 
 def size_run(units: list[Unit], per_token: dict["Variant", float], max_new_tokens: int,
              budget_s: float, per_call: dict["Variant", float] | None = None, *, min_samples: int = 1,
-             per_turn: float = 0.0) -> tuple[list[Unit], dict[str, Any]]:
+             per_turn: float = 0.0, costs: TurnCosts | None = None,
+             min_budgets: int = 1) -> tuple[list[Unit], dict[str, Any]]:
     """Leave work out until the projected decoding time fits ``budget_s``; returns (kept units, report).
 
     Projection: every generation runs ``max_new_tokens`` at its variant's warm-up seconds per token, plus its
-    ``per_call`` seconds (the prefill of a typical prompt; default 0), plus ``per_turn`` seconds per kept turn (its
-    replay, :mod:`experiments.replayed`). The rule, in order, while the projection exceeds the budget:
+    ``per_call`` seconds (the prefill of a typical prompt; default 0), both times its turn's context factor, plus per
+    kept turn its replay and checks (``costs``, :class:`TurnCosts`; ``per_turn``: the replay alone, for callers
+    without one). The report states the parts (decoding, prefill, checks, replay) of what is kept. The rule, in
+    order, while the projection exceeds the budget:
     1. drop the last selected sample (all its turns and variants) of the dataset with the most samples left, down
        to ``min_samples`` per dataset;
     2. drop the later turns (MT-Bench's and grounded's second) of one conversation at a time, the last first;
-    3. drop DDTree fixed budgets from the outside in (the largest, then the smallest, ...) down to the middle one;
-       AR, DFlash, PLD, lookup trees and policies such as ``auto`` always stay;
+    3. drop DDTree fixed budgets from the outside in (the largest, then the smallest, ...) down to the middle one
+       (down to ``min_budgets``: the preset's live minimum); AR, DFlash, PLD, lookup trees and policies such as
+       ``auto`` always stay;
     4. drop samples as in 1, down to one per dataset;
     5. drop datasets from the end of the run's order, down to one;
     6. run what is left, and say that it will take longer than the budget.
     """
     per_call = per_call or {}
-
-    def unit_cost(u):
-        return per_token.get(u.variant, 0.0) * max_new_tokens + per_call.get(u.variant, 0.0)
+    costs = costs if costs is not None else TurnCosts(per_turn=per_turn)
+    parts = _parts(per_token, max_new_tokens, per_call, costs)
 
     def cost(us):
-        return sum(map(unit_cost, us)) + per_turn * len({(u.conv.index, u.turn) for u in us})
+        return sum(parts(us).values())
 
     full = cost(units)
     kept, left_out = _drop_samples(list(units), cost, budget_s, max(1, min_samples))
     kept, more = _drop_later_turns(kept, cost, budget_s)
     left_out += more
-    while cost(kept) > budget_s and (step := _drop_budget(kept)) is not None:
+    while cost(kept) > budget_s and (step := _drop_budget(kept, min_budgets)) is not None:
         kept, what = step
         left_out.append(what)
     kept, more = _drop_samples(kept, cost, budget_s, 1)
@@ -125,8 +153,26 @@ def size_run(units: list[Unit], per_token: dict["Variant", float], max_new_token
     report = {"budget_s": budget_s if budget_s != float("inf") else None, "projected_full_s": round(full, 1),
               "projected_s": round(cost(kept), 1), "left_out": left_out,
               "seconds_per_token": {v.label: round(t, 5) for v, t in per_token.items()},
-              "replay_s_per_turn": round(per_turn, 3)}
+              "replay_s_per_turn": round(costs.per_turn, 3), "check_s": round(costs.per_check, 3),
+              "parts_s": {k: round(v, 1) for k, v in parts(kept).items()}}
     return kept, report
+
+
+def _parts(per_token: dict, max_new_tokens: int, per_call: dict, costs: TurnCosts):
+    """The function that projects units to {decode, prefill, checks, replay} seconds."""
+    def parts(us: list[Unit]) -> dict[str, float]:
+        out = {"decode": 0.0, "prefill": 0.0, "checks": 0.0, "replay": 0.0}
+        turns: dict[tuple[int, int], Unit] = {}
+        for u in us:
+            f = costs.factor(u)
+            out["decode"] += per_token.get(u.variant, 0.0) * max_new_tokens * f
+            out["prefill"] += per_call.get(u.variant, 0.0) * f
+            if u.variant.method != "ar" and getattr(u.conv, "temperature", 0.0) == 0:
+                out["checks"] += costs.per_check * f
+            turns.setdefault((u.conv.index, u.turn), u)
+        out["replay"] = sum(costs.per_turn * costs.factor(u) for u in turns.values())
+        return out
+    return parts
 
 
 def sizing_message(slug: str, report: dict[str, Any], budget_s: float | None) -> str:
@@ -136,11 +182,14 @@ def sizing_message(slug: str, report: dict[str, Any], budget_s: float | None) ->
                 f"machine, over the {budget_s / 60:.0f}-minute budget; left out by the stated rule (samples beyond "
                 f"the preset's minimum, later turns, outer DDTree budgets, more samples, the last datasets): "
                 f"{', '.join(report['left_out'])}; projected now "
-                f"{report['projected_s'] / 60:.1f} min"
+                f"{report['projected_s'] / 60:.1f} min ("
+                + ", ".join(f"{k} {v / 60:.1f}" for k, v in (report.get("parts_s") or {}).items()) + ")"
                 + (" (still over: nothing more is left out)" if report["projected_s"] > budget_s else "")
                 + ". --full runs everything.")
+    parts = report.get("parts_s") or {}
     return (f"{slug}: projected decoding time {report['projected_full_s'] / 60:.1f} min"
-            + (f" (budget {budget_s / 60:.0f} min)" if budget_s else ""))
+            + (f" (budget {budget_s / 60:.0f} min)" if budget_s else "")
+            + (" = " + ", ".join(f"{k} {v / 60:.1f}" for k, v in parts.items()) if parts else ""))
 
 
 def coverage(todo: list["Conversation"], variants: list["Variant"], replayer=None) -> dict[str, Any]:
