@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import equal_or_fp32_tie
 from experiments import benchmark
 from experiments.benchmark import RankInfo, Variant, existing_records, merge_rank_files, run_pair
 from experiments.datasets import build_chat, select_items
@@ -102,7 +103,7 @@ def test_tiny_run_writes_complete_valid_records(tiny_run):
         if r.method == "ar":
             assert r.matches_ar is None and r.policy == "ar" and set(r.acceptance_lengths) == {1}
         else:
-            assert r.matches_ar is True and r.extra["first_mismatch"] is None, r  # fp32, T = 0: lossless
+            assert equal_or_fp32_tie(r), r  # fp32, T = 0: lossless up to an fp32 tie of the target
             assert len(r.extra["tree_sizes"]) == len(r.acceptance_lengths) == len(r.extra["expected_acceptance"])
             assert {"draft", "verify"} <= set(r.stage_times)
         if r.method == "ddtree":
@@ -186,7 +187,7 @@ def test_sampling_run_checks_top_k_trees_against_plain_sampling(tmp_path):
     records = read_records(out / "records.jsonl")
     assert {(r.method, r.tree, r.temperature) for r in records} == {
         ("ar", None, 1.0), ("dflash", None, 1.0), ("ddtree", "topk", 1.0), ("ddtree", "sampled", 1.0)}
-    for r in records:
+    for r in records:  # sampled draws do not tie: an fp32 logit difference of ~1e-5 moves a draw with odds ~1e-5
         assert r.matches_ar is (None if r.method == "ar" or r.tree == "sampled" else True), r
 
 
@@ -209,7 +210,7 @@ def test_auto_budget_is_a_method_variant(tmp_path, monkeypatch):
             "--methods", "ar,ddtree", "--budgets", "4,auto"]
     assert benchmark.main(args) == 0
     auto = [r for r in read_records(out / "records.jsonl") if r.budget == "auto"]
-    assert len(auto) == 1 and auto[0].policy == "auto" and auto[0].matches_ar is True
+    assert len(auto) == 1 and auto[0].policy == "auto" and equal_or_fp32_tie(auto[0])
     assert len(auto[0].extra["tree_sizes"]) == len(auto[0].acceptance_lengths)
 
 
@@ -278,7 +279,7 @@ def test_torchrun_ranks_write_their_own_files_and_rank0_merges(tmp_path):
     preset = with_overrides(TINY, datasets=("gsm8k", "mt-bench"), max_samples=2, methods=("ar", "ddtree"), budgets=(4,))
     records = read_records(out / "records.jsonl")
     assert {r.record_key() for r in records} == expected_keys(preset) and len(records) == len(expected_keys(preset))
-    assert all(r.matches_ar for r in records if r.method == "ddtree")
+    assert all(equal_or_fp32_tie(r) for r in records if r.method == "ddtree")
     assert Manifest.read(out / "manifest.json").extra["world_size"] == 2
     assert "DDTree (B=4)" in done.stdout
 
@@ -375,124 +376,6 @@ def test_exact_match_column_separates_near_ties_from_real_differences():
     (stats,) = [s for s in compute_stats(records) if s.method == "ddtree"]
     assert stats.exact_match == 0.5 and stats.near_tie_match == 0.75
     assert "50% / 75% (4)" in markdown_table([stats])
-
-
-# ---------------------------------------------------------------------------------------------------- new variants
-def test_chain_auto_is_recorded_as_dflash(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
-    out = tmp_path / "chain-auto"
-    args = ["--preset", "tiny", "--out", str(out), "--datasets", "gsm8k", "--max-samples", "1",
-            "--methods", "ar,dflash,ddtree", "--budgets", "4,chain-auto"]
-    assert benchmark.main(args) == 0
-    records = read_records(out / "records.jsonl")
-    auto = [r for r in records if r.budget == "chain-auto"]
-    assert len(auto) == 1 and (auto[0].method, auto[0].policy, auto[0].tree) == ("dflash", "chain-auto", None)
-    assert auto[0].matches_ar is True
-    assert {(r.method, r.budget) for r in records} == {("ar", None), ("dflash", None), ("dflash", "chain-auto"),
-                                                       ("ddtree", 4)}
-    assert "| DFlash (auto) |" in capsys.readouterr().out
-
-
-def test_prompt_lookup_and_lookup_trees_record_their_lookup_share(tmp_path, capsys):
-    out = tmp_path / "lookup"
-    args = ["--preset", "tiny", "--out", str(out), "--datasets", "gsm8k", "--max-samples", "1",
-            "--methods", "ar,pld", "--lookup-budgets", "4"]
-    assert benchmark.main(args) == 0
-    records = read_records(out / "records.jsonl")
-    by_label = {Variant(r.method, r.budget, r.tree, lookup=r.policy == "lookup" and r.method == "ddtree").label: r
-                for r in records}
-    assert set(by_label) == {"AR", "PLD", "DDTree+lookup (B=4)"}
-    pld, tree = by_label["PLD"], by_label["DDTree+lookup (B=4)"]
-    assert (pld.method, pld.policy, pld.budget) == ("pld", "lookup", None)
-    assert (tree.method, tree.policy, tree.budget, tree.tree) == ("ddtree", "lookup", 4, "topk")
-    for r in (pld, tree):
-        assert r.matches_ar is True  # fp32, T = 0: lossless
-        assert 0 <= r.extra["lookup_tokens"] <= sum(r.acceptance_lengths)
-    assert "lookup_tokens" not in by_label["AR"].extra
-    assert tree.record_key() == Variant("ddtree", 4, lookup=True).key("gsm8k", tree.sample_id, 0, 0.0)
-    printed = capsys.readouterr().out
-    assert "| PLD |" in printed and "| DDTree+lookup (B=4) |" in printed and "Lookup" in printed
-    assert benchmark.main(args) == 0  # resuming finds both lookup variants
-    assert len(read_records(out / "records.jsonl")) == 3
-    assert Variant("ddtree", "auto", lookup=True).label == "DDTree+lookup (auto)"
-    with pytest.raises(ValueError, match="lookup"):
-        Variant("ddtree", "chain-auto", lookup=True)
-
-
-POLICY_MODULE = '''
-import torch
-
-from ddtree import DraftTree
-
-
-class ShortChain:
-    """The drafter's top-1 token at the first two depths: a chain of at most two nodes."""
-
-    name, uses_draft = "short-chain", True
-
-    def propose(self, draft_logits, history):
-        logp = torch.log_softmax(draft_logits[:2].float(), dim=-1)  # [2, V]
-        best, tokens = logp.max(dim=-1)
-        n = len(tokens)
-        return DraftTree(tokens.cpu(), torch.arange(-1, n - 1), torch.arange(1, n + 1), best.cumsum(0).cpu())
-
-
-class NoPropose:
-    name, uses_draft = "broken", True
-
-
-class StringFlag(ShortChain):
-    uses_draft = "yes"
-
-
-class NeedsArguments(ShortChain):
-    def __init__(self, depth):
-        self.depth = depth
-
-
-NOT_A_CLASS = 3
-'''
-
-
-@pytest.fixture
-def policy_module(tmp_path, monkeypatch):
-    """A user's policy file, importable as ``tiny_user_policy`` (as from the working directory)."""
-    folder = tmp_path / "user"
-    folder.mkdir()
-    (folder / "tiny_user_policy.py").write_text(POLICY_MODULE)
-    monkeypatch.syspath_prepend(str(folder))
-    return "tiny_user_policy"
-
-
-def test_user_policy_class_is_a_variant_named_by_its_name(tmp_path, policy_module, capsys):
-    out = tmp_path / "custom"
-    args = ["--preset", "tiny", "--out", str(out), "--datasets", "gsm8k", "--max-samples", "1", "--methods", "ar",
-            "--policy", f"{policy_module}:ShortChain"]
-    assert benchmark.main(args) == 0
-    records = read_records(out / "records.jsonl")
-    (mine,) = [r for r in records if r.method != "ar"]
-    assert (mine.method, mine.budget, mine.policy) == ("ddtree", "short-chain", "custom")
-    assert mine.matches_ar is True and max(mine.extra["tree_sizes"]) <= 2
-    assert mine.extra["policy_class"] == f"{policy_module}:ShortChain"
-    assert "| short-chain |" in capsys.readouterr().out
-    session = Manifest.read(out / "manifest.json").extra["sessions"][-1]
-    assert session["extra_variants"][0]["policy_class"] == f"{policy_module}:ShortChain"
-
-
-@pytest.mark.parametrize("spec, message", [
-    ("no_such_module_xyz:Policy", "cannot import module"),
-    ("{module}:Missing", "has no 'Missing'"),
-    ("{module}:NoPropose", "needs a method propose"),
-    ("{module}:StringFlag", "a bool attribute uses_draft"),
-    ("{module}:NeedsArguments", "no arguments"),
-    ("{module}:NOT_A_CLASS", "not a class"),
-    ("{module}", "expected module:Class"),
-])
-def test_bad_policy_classes_are_refused_clearly(tmp_path, policy_module, capsys, spec, message):
-    args = ["--preset", "tiny", "--out", str(tmp_path / "bad"), "--policy", spec.format(module=policy_module)]
-    assert benchmark.main(args) == 2
-    assert message in capsys.readouterr().err
-    assert not (tmp_path / "bad").exists()  # refused before any work
 
 
 # ---------------------------------------------------------------------------------------------------- datasets

@@ -13,7 +13,7 @@ import torch
 from conftest import make_draft, make_target, prompt, steady_clocks
 from ddtree import ddtree_generate, make_policy
 from ddtree.cost import CostModel
-from dflash_core import autoregressive_generate, dflash_generate
+from dflash_core import Chain, autoregressive_generate, dflash_generate, speculative_generate
 from greedy_reference import exact_joint
 from test_decoding import chi_square_p
 
@@ -43,17 +43,30 @@ def test_auto_and_chain_auto_reproduce_plain_sampling(monkeypatch):
 
 
 def test_compact_draft_vocabulary_at_temperature_reproduces_plain_sampling():
+    """The loop hands policies compact logits over 32 even ids; the chain (DFlash's policy) and top-K trees map
+    their columns back to target ids. The output alone cannot see a lost id map (any draft is verified losslessly),
+    so the traced proposals must hold draft-vocabulary ids only: a tree that kept column indices holds odd ids."""
     target = make_target("llama", vocab=64)
     draft = make_draft(target, block_size=5)
-    draft.set_draft_vocab(torch.arange(0, 64, 2))  # the loop hands policies logits over these 32 ids only
+    vocab = torch.arange(0, 64, 2)
+    draft.set_draft_vocab(vocab)  # the loop hands policies logits over these 32 ids only
+    proposed: set[int] = set()
     for temperature in (0.6, 1.3):
         for seed in range(2):
             ids = prompt(seed, 10, 64)
             plain = autoregressive_generate(target, ids, 24, temperature=temperature, seed=seed).new_token_ids
             assert dflash_generate(target, draft, ids, 24, temperature=temperature, seed=seed).new_token_ids == plain
+            chain = speculative_generate(target, draft, ids, Chain(), 24, temperature, seed=seed, trace=True)
+            assert chain.new_token_ids == plain
+            runs = [chain]
             for budget in (4, 16):
-                assert ddtree_generate(target, draft, ids, budget=budget, max_new_tokens=24, temperature=temperature,
-                                       seed=seed).new_token_ids == plain
+                runs.append(ddtree_generate(target, draft, ids, budget=budget, max_new_tokens=24,
+                                            temperature=temperature, seed=seed, trace=True))
+                assert runs[-1].new_token_ids == plain
+            for run in runs:
+                for tree in run.trees:
+                    proposed.update(tree.token_ids.tolist())
+    assert len(proposed) > 8 and proposed <= set(vocab.tolist())  # target ids of the draft vocabulary only
 
 
 N_SAMPLED = 400
