@@ -15,7 +15,11 @@ the best open prefix B times, pushing its next sibling and its first child. ``bu
 the maximum of every chunk of 64 tokens; each chunk maximum is a distinct token, so the B-th best among the prefixes
 "chain of row maxima, then that token" is a lower bound tau on the score of the B-th best prefix. Any token of a tree
 prefix at depth d therefore has a log-prob >= tau - (chain score above d), and only chunks whose maximum reaches that
-cutoff are opened. One packed copy goes to the host.
+cutoff are opened. On the CPU this runs ROW_BLOCK rows at a time (a row's log-softmax does not depend on the other
+rows, so the values are bit-identical) and stops at the first row whose chain score is below tau: every prefix
+through it scores at most that chain (log-probs are <= 0), so that row and all deeper ones are never log-softmaxed.
+The log-softmax is most of the builder's time, and a flat draft's tree is two or three levels deep. On CUDA all
+rows go at once, with one scalar sync, and one packed copy goes to the host.
 
 ``select_prefixes`` (host, numpy; the "pop loop"): enumerates, depth by depth, every prefix whose score reaches a
 bound tau (all children of the kept prefixes of the previous depth, as one outer sum and one mask per depth), then
@@ -49,9 +53,9 @@ MIN_CHUNKED_VOCAB = 16 * CHUNK  # below this the candidate search is not worth i
 HEAP_BELOW_FIXED, HEAP_BELOW_PER_ROW = 30, 5  # select_prefixes runs the heap for budgets below 30 + 5 x rows
 COMPRESS_ABOVE = 4096  # outer sums larger than this expand only the parents that keep a child
 ENUMERATION_CAP_PER_NODE = 64  # select_prefixes falls back to the heap if it would enumerate more than ~64 B prefixes
-OUTER_SUM_LIMIT = 1 << 24  # entries of one depth's outer sum (128 MiB of float64) above which the heap runs instead:
-# a huge budget (say 10**6 over a 49K vocabulary) would otherwise ask for a [V, V] array; the heap's memory grows
-# with the nodes it builds
+ROW_BLOCK = 4  # CPU: rows log-softmaxed per step before checking whether a deeper row can still hold a node
+OUTER_SUM_LIMIT = 1 << 24  # entries of one depth's outer sum (128 MiB of float64) above which the heap runs instead
+# (a huge budget, say 10**6 over a 49K vocabulary, would ask for a [V, V] array; the heap grows with its nodes only)
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,8 @@ class Candidates:
     Row d (0-based; depth d+1) holds the tokens ``token_ids[row_start[d]:row_start[d+1]]``, sorted by (log-prob
     descending, token id ascending), so a token's position in its row is its rank; at most ``max_rank`` = min(B, V)
     tokens per row. ``cutoff[d]`` says what was left out: every token of row d that is missing has a log-prob strictly
-    below it (-inf: the row holds the complete top ``max_rank``).
+    below it (-inf: the row holds the complete top ``max_rank``), or at most it for a row never looked at (cutoff 0,
+    as log-probs never exceed 0; the exactness checks compare strictly, which covers both).
     """
 
     row_start: np.ndarray  # [depth + 1] int64 offsets into the flat arrays
@@ -115,12 +120,12 @@ def _check_inputs(draft_logits: torch.Tensor, budget: int, token_map: torch.Tens
     return int(draft_logits.shape[0]), int(draft_logits.shape[1]), int(budget)
 
 
-def _check_row_maxima(row_max: np.ndarray) -> None:
+def _check_row_maxima(row_max: np.ndarray, first_row: int = 0) -> None:
     """Each row's best log-prob must be finite: NaN or +inf logits (or a row of -inf) make the draft meaningless."""
     bad = np.flatnonzero(~np.isfinite(row_max))
     if bad.size:
-        raise ValueError(f"draft_logits row {int(bad[0])} has no finite log-probabilities (NaN or +/-inf logits); "
-                         f"cannot rank its tokens")
+        raise ValueError(f"draft_logits row {first_row + int(bad[0])} has no finite log-probabilities (NaN or +/-inf "
+                         f"logits); cannot rank its tokens")
 
 
 def _log_softmax(draft_logits: torch.Tensor) -> torch.Tensor:
@@ -158,10 +163,7 @@ def _best_first_heap(values: list[list[float]], tokens: list[list[int]], budget:
     child (rank 0 one row down); both are no more probable than it, so pops come out best first. The heap key
     (-score, depth, rank path from the node up) is the builders' canonical total order.
     """
-    out_tokens: list[int] = []
-    out_parents: list[int] = []
-    out_depths: list[int] = []
-    out_scores: list[float] = []
+    out_tokens, out_parents, out_depths, out_scores = [], [], [], []  # the fields of the nodes popped so far
     heap: list[tuple[float, int, tuple[int, ...], int]] = []  # (-score, depth, ranks from the node up, parent)
     if budget > 0 and values and values[0]:
         heap.append((-values[0][0], 1, (0,), ROOT))
@@ -199,23 +201,76 @@ def reference_build_tree(draft_logits: torch.Tensor, budget: int, token_map: tor
 
 
 def top_candidates(draft_logits: torch.Tensor, budget: int, complete: bool = False) -> Candidates:
-    """Stage 1 of ``build_tree``: the tokens per row that the tree can use, brought to the host in one copy.
+    """Stage 1 of ``build_tree``: the tokens per row that the tree can use, on the host.
 
     With ``complete`` (or a small vocabulary) every row holds its complete top K = min(budget, vocab) tokens;
-    otherwise only the tokens that can reach the best-B prefixes (see the module docstring), usually a few per row.
-    On CUDA the opened chunks are gathered on the device and copied once; on the CPU numpy reads them in place.
-    Requires budget >= 1 and depth >= 1.
+    otherwise only the tokens that can reach the best-B prefixes (see the module docstring), usually a few per row:
+    found by row blocks on the CPU, all rows at once on an accelerator. Requires budget >= 1 and depth >= 1.
     """
+    draft_logits = draft_logits.detach()
     depth, vocab = draft_logits.shape
     max_rank = min(budget, vocab)
-    log_probs = _log_softmax(draft_logits)  # [depth, vocab]
     num_chunks = vocab // CHUNK
-    if complete or vocab < MIN_CHUNKED_VOCAB or depth * num_chunks < budget:
-        values, tokens = _top_k_rows(log_probs, max_rank)  # [depth, K] each, canonical
-        rows = np.repeat(np.arange(depth), max_rank)
-        return _sorted_candidates(rows, tokens.ravel(), values.ravel(), values[:, 0], np.full(depth, -math.inf),
-                                  max_rank)
+    if not (complete or vocab < MIN_CHUNKED_VOCAB or depth * num_chunks < budget):
+        if draft_logits.device.type == "cpu":
+            found = _candidates_by_row_blocks(draft_logits, budget, max_rank)
+        else:
+            found = _candidates_on_device(_log_softmax(draft_logits), budget, max_rank)
+        if found is not None:
+            return found
+    values, tokens = _top_k_rows(_log_softmax(draft_logits), max_rank)  # [depth, K] each, canonical
+    rows = np.repeat(np.arange(depth), max_rank)
+    return _sorted_candidates(rows, tokens.ravel(), values.ravel(), values[:, 0], np.full(depth, -math.inf), max_rank)
 
+
+def _margin(bound: float) -> float:
+    """Slack below a float32 bound that absorbs the rounding of float32 chain sums (exactness is re-checked)."""
+    return 1e-3 * (1.0 + abs(bound))
+
+
+def _candidates_by_row_blocks(draft_logits: torch.Tensor, budget: int, max_rank: int) -> Candidates | None:
+    """CPU stage 1, ROW_BLOCK rows at a time: log-softmax, chunk maxima, then tau over the rows so far, until the
+    chain above the next row is below tau (see the module docstring). tau only grows as rows add distinct prefixes,
+    so entries below it never matter again: ``pool`` keeps the rest, and later k-th values run on a few hundred
+    entries. Returns None when tau is not finite (fewer than B finite entries): the caller takes complete rows."""
+    depth, vocab = draft_logits.shape
+    num_chunks, width = vocab // CHUNK, vocab // CHUNK * CHUNK
+    log_probs = torch.empty(depth, vocab)  # rows [0, done) filled
+    distinct = torch.empty(depth, num_chunks + vocab - width)  # [depth, G + T]: chunk maxima, then the tail tokens
+    log_probs_host, distinct_host = log_probs.numpy(), distinct.numpy()
+    chain, row_max = np.zeros(depth + 1), np.zeros(depth, dtype=np.float32)  # chain[d]: all-rank-0 score above d
+    pool, bound, done = np.zeros(0, dtype=np.float32), -math.inf, 0
+    step = max(ROW_BLOCK, -(-budget // distinct.shape[1]))  # the first block alone holds >= B entries
+    while done < depth and not chain[done] < bound - _margin(bound):
+        stop = min(depth, done + step)
+        torch.log_softmax(draft_logits[done:stop], dim=-1, dtype=torch.float32, out=log_probs[done:stop])
+        torch.amax(log_probs[done:stop, :width].unflatten(1, (num_chunks, CHUNK)), dim=-1,
+                   out=distinct[done:stop, :num_chunks])
+        distinct_host[done:stop, num_chunks:] = log_probs_host[done:stop, width:]
+        row_max[done:stop] = distinct_host[done:stop].max(axis=1)
+        _check_row_maxima(row_max[done:stop], first_row=done)
+        chain[done + 1: stop + 1] = np.cumsum(np.concatenate((chain[done: done + 1], row_max[done:stop])))[1:]
+        family = distinct_host[done:stop] + chain[done:stop, None].astype(np.float32)  # [rows, G + T]
+        pool = np.concatenate((pool, family[family >= bound]))
+        if pool.size >= budget:
+            bound = float(torch.kthvalue(torch.from_numpy(pool), pool.size - budget + 1).values)
+            pool = pool[pool >= bound]
+        done, step = stop, ROW_BLOCK
+    if not math.isfinite(bound):
+        return None
+    if done < depth:  # rows never log-softmaxed must still be valid drafts, as the reference requires
+        _check_row_maxima(draft_logits[done:].amax(dim=-1).float().numpy(), first_row=done)
+    cutoff = (bound - _margin(bound) - chain[:done]).astype(np.float32)  # [done]
+    body = log_probs[:done, :width].unflatten(1, (num_chunks, CHUNK))  # [done, G, CHUNK], a view
+    found = _open_chunks_in_place(body, distinct[:done, num_chunks:], distinct[:done, :num_chunks],
+                                  torch.from_numpy(row_max[:done]), torch.from_numpy(cutoff))
+    return _candidates_from_chunks(*found, num_chunks, max_rank, depth)
+
+
+def _candidates_on_device(log_probs: torch.Tensor, budget: int, max_rank: int) -> Candidates | None:
+    """Accelerator stage 1: all rows at once, one scalar sync for tau, one packed copy of the opened chunks."""
+    depth, vocab = log_probs.shape
+    num_chunks = vocab // CHUNK
     body = log_probs[:, :num_chunks * CHUNK].reshape(depth, num_chunks, CHUNK)  # [depth, G, CHUNK]
     tail = log_probs[:, num_chunks * CHUNK:]  # [depth, T], T < CHUNK
     chunk_max = body.amax(dim=-1)  # [depth, G]: each entry is the log-prob of a distinct token
@@ -226,19 +281,17 @@ def top_candidates(draft_logits: torch.Tensor, budget: int, complete: bool = Fal
     bound = torch.kthvalue(family, family.numel() - budget + 1).values  # B-th best: <= score of the B-th best prefix
     bound_value = float(bound)  # the one scalar sync: decides whether the candidate search applies
     if not math.isfinite(bound_value):  # fewer than B finite-probability prefixes of that kind (or NaN logits)
-        return top_candidates(draft_logits, budget, complete=True)
-    # float32 rounding of chain_above is absorbed by the margin; exactness is re-checked on the host anyway
-    cutoff = bound - 1e-3 * (1.0 + abs(bound_value)) - chain_above  # [depth] log-prob a token must reach in row d
-    gather = _open_chunks_in_place if log_probs.device.type == "cpu" else _open_chunks_and_copy
-    row_max_host, cutoff_host, opened, blocks, tail_host = gather(body, tail, chunk_max, row_max, cutoff)
-    return _candidates_from_chunks(row_max_host, cutoff_host, opened, blocks, tail_host, num_chunks, max_rank)
+        return None
+    cutoff = bound - _margin(bound_value) - chain_above  # [depth] log-prob a token must reach in row d
+    found = _open_chunks_and_copy(body, tail, chunk_max, row_max, cutoff)
+    return _candidates_from_chunks(*found, num_chunks, max_rank, depth)
 
 
 def _open_chunks_in_place(body: torch.Tensor, tail: torch.Tensor, chunk_max: torch.Tensor, row_max: torch.Tensor,
                           cutoff: torch.Tensor) -> tuple[np.ndarray, ...]:
-    """CPU: numpy reads the chunks whose maximum reaches the cutoff straight from the log-prob tensor."""
+    """CPU: numpy reads the chunks whose maximum reaches the cutoff straight from the log-prob tensor (any strides)."""
     opened = np.flatnonzero(chunk_max.numpy() >= cutoff.numpy()[:, None])  # [s] flat (row, chunk) ids
-    blocks = body.contiguous().numpy().reshape(-1, CHUNK)[opened]  # [s, CHUNK]
+    blocks = body.numpy()[np.divmod(opened, chunk_max.shape[1])]  # [s, CHUNK]
     return row_max.numpy(), cutoff.numpy(), opened, blocks, tail.numpy()
 
 
@@ -257,8 +310,9 @@ def _open_chunks_and_copy(body: torch.Tensor, tail: torch.Tensor, chunk_max: tor
 
 
 def _candidates_from_chunks(row_max: np.ndarray, cutoff: np.ndarray, opened: np.ndarray, blocks: np.ndarray,
-                            tail: np.ndarray, num_chunks: int, max_rank: int) -> Candidates:
-    """Keep the tokens of the opened chunks (and of the tail) that reach their row's cutoff."""
+                            tail: np.ndarray, num_chunks: int, max_rank: int, depth: int) -> Candidates:
+    """Keep the tokens of the opened chunks (and of the tail) that reach their row's cutoff; rows from
+    ``cutoff.size`` to ``depth`` were never looked at and get cutoff 0 (log-probs never exceed 0)."""
     opened_rows = opened // num_chunks  # [s]
     hit = np.flatnonzero(blocks >= cutoff[opened_rows, None])  # [h] flat (block, offset)
     block, offset = np.divmod(hit, CHUNK)
@@ -272,8 +326,8 @@ def _candidates_from_chunks(row_max: np.ndarray, cutoff: np.ndarray, opened: np.
         tokens = np.concatenate([tokens, num_chunks * CHUNK + tail_offset])
         values = np.concatenate([values, tail.ravel()[tail_hit]])
     # entries of a row arrive in token order (chunks, then the tail), so a stable sort keeps ties token-sorted
-    return _sorted_candidates(rows, tokens, values, row_max, cutoff.astype(np.float64), max_rank,
-                              token_sorted=True)
+    cutoff = np.concatenate((cutoff.astype(np.float64), np.zeros(depth - cutoff.size)))
+    return _sorted_candidates(rows, tokens, values, row_max, cutoff, max_rank, token_sorted=True)
 
 
 def _sorted_candidates(rows: np.ndarray, tokens: np.ndarray, values: np.ndarray, row_max: np.ndarray,
