@@ -18,11 +18,18 @@ from greedy_reference import greedy_reference
 
 
 @torch.no_grad()
-def oracle_loss(target, draft, sequences, gamma: float, distill_weight: float, topk: int) -> float:
+def oracle_loss(target, draft, sequences, gamma: float, distill_weight: float, topk: int, vocab=None,
+                objective: str = "ce") -> float:
     """sum over sequences, anchors a and block positions k (a + k inside the sequence) of
-    w_k [(1 - d) CE(label) + d CE(top-k of the target)] / sum w_k, written out one block at a time."""
+    w_k [(1 - d) CE(label) + d CE(top-k of the target)] / sum w_k, written out one block at a time.
+
+    ``vocab`` (a list of target ids): the drafter's softmax runs over those ids only, the soft labels keep the top-k
+    ids inside it (renormalised), a label outside it drops its hard term (the row keeps its soft term; with d = 0 it
+    weighs nothing). ``objective``: "cutoff" zeroes w_k after the block's first greedy miss, "credit" replaces w_k by
+    sum_{m >= k} prod_{j <= m} p_j (p_j the drafter's probability of the label, 0 outside ``vocab``)."""
     b, mask = draft.block_size, draft.mask_token_id
     head = target.lm_head.weight.double()
+    cols = list(range(head.shape[0])) if vocab is None else list(vocab)
     total, weights = 0.0, 0.0
     for ids, anchors in sequences:
         out = target(input_ids=ids[None], output_hidden_states=True, use_cache=False)
@@ -32,17 +39,34 @@ def oracle_loss(target, draft, sequences, gamma: float, distill_weight: float, t
             block = torch.tensor([int(ids[a])] + [mask] * (b - 1))
             hidden = draft(target.model.embed_tokens(block)[None], taps[:a][None], torch.arange(a, a + b),
                            torch.arange(a))[0]  # [b, H], the drafter's own call at decode time
+            rows = []  # (loss, w, p, hit) per position of this block
             for k in range(1, b):
                 if a + k >= len(ids):
                     break
-                logp = torch.log_softmax(hidden[k].double() @ head.t(), -1)  # [V]
-                hard = -float(logp[int(ids[a + k])])
+                logp = dict(zip(cols, torch.log_softmax(hidden[k].double() @ head[cols].t(), -1).tolist()))
+                label = int(ids[a + k])
                 top = target_p[a + k - 1].topk(topk)
-                q = top.values / top.values.sum()
-                soft = -float((q * logp[top.indices]).sum())
-                w = math.exp(-(k - 1) / gamma)
-                total += w * ((1 - distill_weight) * hard + distill_weight * soft)
-                weights += w
+                kept = [(float(v), int(i)) for v, i in zip(top.values, top.indices) if int(i) in logp]
+                # no top-k id inside the vocabulary: no soft label (the term is 0)
+                soft = -sum(v * logp[i] for v, i in kept) / sum(v for v, _ in kept) if kept else 0.0
+                inside = label in logp
+                if not inside and distill_weight == 0:
+                    loss, w = 0.0, 0.0
+                else:
+                    loss = (1 - distill_weight) * (-logp[label] if inside else 0.0) + distill_weight * soft
+                    w = math.exp(-(k - 1) / gamma)
+                hit = inside and max(logp, key=logp.get) == label
+                rows.append((loss, w, math.exp(logp[label]) if inside else 0.0, hit))
+            missed, reach = False, []
+            for j, (loss, w, p, hit) in enumerate(rows):
+                reach.append((reach[-1] if reach else 1.0) * p)
+                if objective == "cutoff" and missed:
+                    rows[j] = (loss, 0.0, p, hit)
+                missed = missed or not hit
+            if objective == "credit":
+                rows = [(loss, sum(reach[j:]), p, hit) for j, (loss, _, p, hit) in enumerate(rows)]
+            total += sum(loss * w for loss, w, _, _ in rows)
+            weights += sum(w for _, w, _, _ in rows)
     return total / weights
 
 
@@ -89,3 +113,32 @@ def test_the_oracle_catches_soft_labels_left_unnormalised(setup, monkeypatch):
     cfg = TrainConfig(autocast=False, distill_topk=4)
     got = library_loss(target, draft, sequences, cfg)
     assert abs(got - oracle_loss(target, draft, sequences, cfg.gamma, cfg.distill_weight, 4)) > 1e-3
+
+
+@pytest.mark.parametrize("distill_weight,objective", [(0.5, "ce"), (0.0, "ce"), (0.5, "cutoff"), (0.3, "credit")])
+def test_draft_vocabulary_loss_equals_the_oracle(setup, distill_weight, objective):
+    """A drafter with a reduced vocabulary (30 of 64 ids; several labels fall outside it), under each objective: a
+    row whose label cannot be drafted keeps its soft term (the old loss gave it weight 0 and lost the soft term too)."""
+    target, draft, sequences = setup
+    vocab = torch.randperm(64, generator=torch.Generator().manual_seed(3))[:30]
+    labels = torch.cat([ids[int(a) + 1:] for ids, anchors in sequences for a in anchors])
+    assert (~torch.isin(labels, vocab)).sum() >= 5  # the case has undraftable labels
+    draft.set_draft_vocab(vocab)
+    try:
+        cfg = TrainConfig(autocast=False, distill_topk=4, distill_weight=distill_weight, loss_vocab="draft",
+                          objective=objective)
+        got = library_loss(target, draft, sequences, cfg)
+        want = oracle_loss(target, draft, sequences, cfg.gamma, distill_weight, 4, vocab.tolist(), objective)
+    finally:
+        draft.draft_vocab = None
+    assert got == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("objective", ["cutoff", "credit"])
+def test_objectives_equal_the_oracle_on_the_full_vocabulary(setup, objective):
+    target, draft, sequences = setup
+    cfg = TrainConfig(autocast=False, distill_topk=4, objective=objective)
+    got = library_loss(target, draft, sequences, cfg)
+    want = oracle_loss(target, draft, sequences, cfg.gamma, cfg.distill_weight, 4, objective=objective)
+    assert got == pytest.approx(want, rel=1e-6)
+    assert want != pytest.approx(oracle_loss(target, draft, sequences, cfg.gamma, cfg.distill_weight, 4), rel=1e-3)

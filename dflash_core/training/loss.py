@@ -23,6 +23,7 @@ import torch
 from ..markov import draft_index
 from .blocks import block_attention_mask, block_inputs, position_weights
 from .config import TrainConfig
+from .objective import objective_weights
 
 __all__ = ["SequenceFeatures", "target_features", "sequence_loss", "draft_loss"]
 
@@ -111,15 +112,14 @@ def _loss_vocabulary(cfg: TrainConfig, core, head_weight: torch.Tensor, labels: 
     raise ValueError(f"loss_vocab must be 'full', 'batch' or 'draft', got {cfg.loss_vocab!r}")
 
 
-def _inside_draft_vocab(t2d: torch.Tensor, labels: torch.Tensor, w: torch.Tensor, s_ids: torch.Tensor | None,
-                        s_prob: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Labels outside the draft vocabulary cannot be drafted and leave the hard-label term (weight 0); soft labels
-    outside it are dropped and the rest renormalised. Returns the weights and soft-label probabilities."""
-    w = w * (t2d[labels] >= 0)
-    if s_prob is not None:
-        s_prob = s_prob * (t2d[s_ids] >= 0)
-        s_prob = s_prob / s_prob.sum(-1, keepdim=True).clamp(min=1e-12)
-    return w, s_prob
+def _soft_inside_draft_vocab(t2d: torch.Tensor, s_ids: torch.Tensor | None,
+                             s_prob: torch.Tensor | None) -> torch.Tensor | None:
+    """Soft labels outside the draft vocabulary are dropped and the rest renormalised (the drafter's softmax runs over
+    its own V' tokens only)."""
+    if s_prob is None:
+        return None
+    s_prob = s_prob * (t2d[s_ids] >= 0)
+    return s_prob / s_prob.sum(-1, keepdim=True).clamp(min=1e-12)
 
 
 def _head_log_probs(hidden: torch.Tensor, head: torch.Tensor, dev: torch.device,
@@ -174,26 +174,31 @@ def sequence_loss(model, embed: torch.nn.Module, head_weight: torch.Tensor, ids:
     src = (anchors[:, None] + torch.arange(b - 1))[valid]  # [N] sequence position whose distribution labels each row
     s_ids, s_prob = _topk_soft_labels(feats, src, dev, dtype) if distill else (None, None)
     lookup, head, t2d = _loss_vocabulary(cfg, core, head_weight, labels, s_ids, dev, generator)
-    w = weights
+    drafted = torch.ones_like(labels, dtype=torch.bool) if t2d is None else t2d[labels] >= 0  # [N] label draftable
     if t2d is not None:
-        w, s_prob = _inside_draft_vocab(t2d, labels, w, s_ids, s_prob)
+        s_prob = _soft_inside_draft_vocab(t2d, s_ids, s_prob)
     logits, logp = _head_log_probs(hidden, head, dev, _markov_bias(core, cfg, ids, src, hidden, dev))
-    ce = -logp.gather(1, lookup(labels)[:, None])[:, 0]  # [N]
-    if distill:
-        soft = -(s_prob * logp.gather(1, lookup(s_ids))).sum(-1)  # [N]
-        ce = (1 - distill_weight) * ce + distill_weight * soft
+    columns = lookup(labels)  # [N] the label's column (a placeholder 0 where it cannot be drafted)
+    # a label outside the draft vocabulary has probability 0 under the drafter: its hard term is dropped (no finite
+    # cross-entropy exists), the row keeps its soft term
+    hard = -logp.gather(1, columns[:, None])[:, 0] * drafted  # [N]
     d_prob = None
     if dense:
         d_prob = feats.soft_logp[src.to(feats.soft_logp.device)].to(dev).float().exp()  # [N, V'] target's distribution
         soft = -(d_prob * logp).sum(-1)  # [N] cross-entropy against it (the drafter's softmax over the same V')
-        if distill_weight >= 1:  # pure distillation: every row counts, also labels outside the draft vocabulary
-            ce, w = soft, weights
-        else:
-            ce = (1 - distill_weight) * ce + distill_weight * soft
+    elif distill:
+        soft = -(s_prob * logp.gather(1, lookup(s_ids))).sum(-1)  # [N]
+    mix = distill_weight if dense or distill else 0.0
+    ce = hard if mix == 0 else (1 - mix) * hard + mix * soft
+    # rows left without any term (an undraftable label and no soft labels) weigh 0; batch_weight counts every row,
+    # so the mean stays over the same denominator on every rank (its value is a constant factor on this step)
+    w = weights * (drafted | (mix > 0))
+    w = objective_weights(cfg.objective, w, logp, columns, drafted, valid)
     with torch.no_grad():
         first = weights == 1.0  # block position k = 1
-        # top-1 agreement with the target's own choice when its distribution is known, else with the label
-        want = d_prob[first].argmax(-1) if dense else lookup(labels[first])
+        # top-1 agreement with the target's own choice when its distribution is known, else with the label (a label
+        # outside the draft vocabulary is a miss)
+        want = d_prob[first].argmax(-1) if dense else torch.where(drafted[first], columns[first], -1)
         hits = int((logits[first].argmax(-1) == want).sum())
     return (w * ce).sum(), {"weight": float(w.sum()), "hits1": hits, "n1": int(first.sum())}
 
