@@ -94,6 +94,7 @@ class Round:
     depths: np.ndarray  # [n] int
     accepted: np.ndarray  # [n] bool: node on the accepted path
     seconds: float
+    parents: np.ndarray | None = None  # [n] int, -1 for the root's children (None: unknown, no edge statistics)
 
     @property
     def tokens(self) -> int:
@@ -101,11 +102,19 @@ class Round:
         return int(self.accepted.sum()) + 1
 
 
-CALIBRATIONS = ("none", "power", "depth", "bucket")
+CALIBRATIONS = ("none", "power", "depth", "bucket", "edge")
 RULES = ("marginal", "ratio")
 DEFAULT_CALIBRATION = "depth"
 _BUCKET_EDGES = np.array([-6.0, -4.0, -3.0, -2.5, -2.0, -1.5, -1.0, -0.7, -0.4, -0.2, -0.1])  # on log p
+_EDGE_EDGES = np.array([-4.0, -3.0, -2.3, -1.6, -1.2, -0.9, -0.6, -0.4, -0.25, -0.12, -0.05])  # on log q
 _MAX_DEPTH = 64
+
+
+def edge_log_q(log_p: np.ndarray, parents: np.ndarray) -> np.ndarray:
+    """Each node's conditional log-probability given its parent: its path log-prob minus its parent's (the root's
+    children: their own)."""
+    parents = np.asarray(parents, dtype=int)
+    return log_p - np.where(parents >= 0, log_p[np.maximum(parents, 0)], 0.0)
 
 
 class RoundMemory:
@@ -122,6 +131,8 @@ class RoundMemory:
         self.depth_nodes = np.zeros(_MAX_DEPTH + 1, dtype=np.int64)
         self.bucket_nodes = np.zeros(len(_BUCKET_EDGES) + 1, dtype=np.int64)
         self.bucket_hits = np.zeros(len(_BUCKET_EDGES) + 1)
+        self.edge_q, self.edge_hits = np.zeros(len(_EDGE_EDGES) + 1), np.zeros(len(_EDGE_EDGES) + 1)
+        self.edge_nodes = np.zeros(len(_EDGE_EDGES) + 1, dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self.rounds)
@@ -140,6 +151,20 @@ class RoundMemory:
         self.bucket_nodes += sign * np.bincount(which, minlength=len(_BUCKET_EDGES) + 1)
         self.bucket_hits += sign * np.bincount(which, weights=r.accepted.astype(float),
                                                minlength=len(_BUCKET_EDGES) + 1)
+        if r.parents is not None and len(r.parents):
+            self._add_edges(r, sign)
+
+    def _add_edges(self, r: Round, sign: int) -> None:
+        """Count the edges the round tested: a node is tested when its parent was accepted (the root always is),
+        and then accepted with a probability that depends on its conditional probability only."""
+        parents = np.asarray(r.parents, dtype=int)
+        tested = np.where(parents >= 0, r.accepted[np.maximum(parents, 0)], True)
+        log_q = edge_log_q(r.log_p, parents)[tested]
+        which = np.searchsorted(_EDGE_EDGES, log_q)
+        size = len(_EDGE_EDGES) + 1
+        self.edge_q += sign * np.bincount(which, weights=np.exp(log_q), minlength=size)
+        self.edge_hits += sign * np.bincount(which, weights=r.accepted[tested].astype(float), minlength=size)
+        self.edge_nodes += sign * np.bincount(which, minlength=size)
 
     def append(self, r: Round) -> None:
         self.rounds.append(r)
@@ -157,7 +182,8 @@ class RoundMemory:
         return memory
 
 
-def calibrated_probs(log_p: np.ndarray, depths: np.ndarray, rounds, method: str, prior: float = 2.0) -> np.ndarray:
+def calibrated_probs(log_p: np.ndarray, depths: np.ndarray, rounds, method: str, prior: float = 2.0,
+                     parents: np.ndarray | None = None) -> np.ndarray:
     """The acceptance probability of each node (path log-prob ``log_p``, depth ``depths``) learnt from ``rounds``
     (a :class:`RoundMemory` or a sequence of :class:`Round`).
 
@@ -166,7 +192,11 @@ def calibrated_probs(log_p: np.ndarray, depths: np.ndarray, rounds, method: str,
     * ``depth``  -- f_d * p per depth d, f_d = (accepted at d + prior) / (sum of p at d + prior): the drafter's
       over- or under-confidence may grow with depth (depths beyond those seen take the deepest seen factor);
     * ``bucket`` -- per bucket of log p, the observed acceptance rate shrunk toward p:
-      (accepted in bucket + prior * p) / (nodes in bucket + prior) (a histogram / reliability-diagram fit).
+      (accepted in bucket + prior * p) / (nodes in bucket + prior) (a histogram / reliability-diagram fit);
+    * ``edge``   -- per edge: a node whose parent is accepted is accepted with probability g(q), q its conditional
+      probability given the parent, g(q) = F_b * q with F_b = (accepted + prior) / (sum of q + prior) over the
+      tested edges in q's bucket b; a node's acceptance is the product of g along its path (needs ``parents``;
+      without them, or before any edge was seen, ``depth``). See :func:`edge_probs` for why.
 
     A node counts as accepted when it lies on the path the target accepted, so its probability is that of its whole
     path: exactly the quantity the expected committed tokens ``1 + sum p_i`` add up.
@@ -179,7 +209,9 @@ def calibrated_probs(log_p: np.ndarray, depths: np.ndarray, rounds, method: str,
     if method == "power":
         return np.exp(_fit_beta([(r.log_p, int(r.accepted.sum())) for r in rounds]) * log_p)
     memory = RoundMemory.of(rounds)
-    if method == "depth":
+    if method == "edge" and parents is not None and memory.edge_nodes.sum() > 0:
+        return edge_probs(log_p, depths, parents, memory, prior)
+    if method in ("depth", "edge"):
         factor = (memory.depth_obs + prior) / (memory.depth_pred + prior)
         last = 1.0
         for d in range(len(factor)):  # unseen depths: the factor of the deepest seen depth above them
@@ -190,6 +222,33 @@ def calibrated_probs(log_p: np.ndarray, depths: np.ndarray, rounds, method: str,
         return np.clip(factor[np.minimum(depths.astype(int), _MAX_DEPTH)] * p, 0.0, 1.0)
     mine = np.searchsorted(_BUCKET_EDGES, log_p)
     return (memory.bucket_hits[mine] + prior * p) / (memory.bucket_nodes[mine] + prior)
+
+
+def edge_probs(log_p: np.ndarray, depths: np.ndarray, parents: np.ndarray, memory: RoundMemory,
+               prior: float = 2.0) -> np.ndarray:
+    """The ``edge`` calibration: path acceptance as the product of calibrated conditional acceptances.
+
+    At T = 0 the target accepts the child of an accepted node whose token is its argmax, so a child with drafter
+    probability q is accepted with the probability g(q) that a token the drafter gives q is the target's argmax.
+    The drafter is trained toward the target's distribution, not its argmax: g sharpens q (a confident child is the
+    argmax more often than q says, an unlikely sibling less often), and by a curve that no single factor per depth
+    (``depth``) or per path probability (``bucket``, which mixes a likely deep node with an unlikely shallow one)
+    can represent. Each tested edge (its parent accepted) is one Bernoulli trial of g at its q, whatever its depth,
+    so the memory holds several times more trials per bucket than per-depth or per-path counts of the same rounds,
+    and an estimate for a deep node is built from the edges that lead to it. Depth enters only through the path
+    product. Siblings are exclusive: the children's g are scaled down where they would sum past 1."""
+    q = np.exp(edge_log_q(log_p, parents))
+    factor = (memory.edge_hits + prior) / (memory.edge_q + prior)
+    g = np.clip(q * factor[np.searchsorted(_EDGE_EDGES, np.log(np.maximum(q, 1e-300)))], 0.0, 1.0)
+    parents = np.asarray(parents, dtype=int)
+    total = np.bincount(parents + 1, weights=g, minlength=len(g) + 1)  # per parent (root = 0): sum of children's g
+    g = g / np.maximum(total[parents + 1], 1.0)
+    out = g.copy()
+    depths = np.asarray(depths, dtype=int)
+    for d in range(2, int(depths.max(initial=0)) + 1):  # depth by depth: a parent is final before its children
+        at = depths == d
+        out[at] *= out[parents[at]]
+    return out
 
 
 class AutoBudget(BlockPolicy):
@@ -231,7 +290,7 @@ class AutoBudget(BlockPolicy):
         self.online_cost = online_cost if online_cost is not None or clock is None else OnlineCost(cost)
         self.calibration_s = 0.0
         self._seconds = self._round_seconds()  # [cap + 1] modeled seconds per tree size
-        self._pending: tuple[np.ndarray, np.ndarray, float] | None = None
+        self._pending: tuple | None = None  # (log_p, depths, modeled seconds, parents) of the round in flight
         self._timing: list | None = None  # [clock at the last propose, its size, history length, tokens committed]
         self.chosen: list[int] = []  # tree size picked each round (for studies)
         self._shared: tuple | None = None  # for_models: (memory key, online curve key) before the variant
@@ -307,7 +366,7 @@ class AutoBudget(BlockPolicy):
             self._timing[3] = accepted_draft_tokens + 1  # with the bonus: the history grows by this much
         if self._pending is None:
             return
-        log_p, depths, seconds = self._pending
+        log_p, depths, seconds, parents = self._pending
         self._pending = None
         accepted = np.zeros(len(log_p), dtype=bool)
         if path is not None:
@@ -317,7 +376,7 @@ class AutoBudget(BlockPolicy):
                 at = np.flatnonzero(depths == d)
                 if len(at):
                     accepted[at[np.argmax(log_p[at])]] = True
-        self.memory.append(Round(log_p, depths, accepted, seconds))
+        self.memory.append(Round(log_p, depths, accepted, seconds, parents))
 
     def propose(self, block: DraftBlock, history: list[int], token_map: torch.Tensor | None = None):
         """The prefix of the best-first tree (or chain) worth verifying this round. ``block`` is the round's
@@ -325,7 +384,8 @@ class AutoBudget(BlockPolicy):
         now = self.start_round(history)
         full, probs = self.candidates(as_block(block, history, token_map), history)
         n = self.choose(probs)
-        self.remember(full.log_probs.double().numpy()[:n], full.depths.numpy()[:n], n, now, len(history))
+        self.remember(full.log_probs.double().numpy()[:n], full.depths.numpy()[:n], n, now, len(history),
+                      parents=full.parents.numpy()[:n])
         return truncate_tree(full, n)  # a chain's prefix is a chain: verified without a mask
 
     # The four steps of a round, public so that a policy can add candidates of its own (``ddtree.lookup``).
@@ -347,18 +407,20 @@ class AutoBudget(BlockPolicy):
             full = build_tree(block.logits, self.cap, token_map=block.token_map)
         ready = len(self.memory) >= self.warmup
         probs = calibrated_probs(full.log_probs.double().numpy(), full.depths.numpy(), self.memory if ready else (),
-                                 self.calibrate)
+                                 self.calibrate, parents=full.parents.numpy())
         return full, probs
 
     def choose(self, probs: np.ndarray) -> int:
         """How many of the nodes (in the order of ``probs``, a valid tree order) to verify."""
         return best_prefix(probs, self.curve, self.rate if self.rule == "marginal" else None, self._seconds)
 
-    def remember(self, log_p: np.ndarray, depths: np.ndarray, n: int, now: float | None, length: int) -> None:
-        """Book the round: ``n`` nodes verified, of which the drafter's have these log-probs and depths (what
-        :meth:`observe` learns from), its modeled seconds, and the clock for the online curve."""
+    def remember(self, log_p: np.ndarray, depths: np.ndarray, n: int, now: float | None, length: int,
+                 parents: np.ndarray | None = None) -> None:
+        """Book the round: ``n`` nodes verified, of which the drafter's have these log-probs, depths and
+        ``parents`` (indices among them; None when unknown: the round then teaches no edge statistics), what
+        :meth:`observe` learns from, its modeled seconds, and the clock for the online curve."""
         self.chosen.append(n)
-        self._pending = (log_p, depths, float(self._seconds[n]))
+        self._pending = (log_p, depths, float(self._seconds[n]), parents)
         if now is not None:
             self._timing = [now, n, length, None]
 
