@@ -1,5 +1,8 @@
 """The one speculative decode loop: draft -> propose -> verify -> commit.
 
+A round is :class:`RoundRunner`'s, written once for the live loop (:func:`speculative_generate`, verifying on the
+target) and for replay (``dflash_core.replay``, verifying against a known greedy continuation).
+
 Plain decoding, DFlash (a chain) and DDTree (a tree) all run through :func:`speculative_generate`; they differ only in
 the *proposal policy*, which turns the drafter's per-position logits into a tree of draft tokens:
 
@@ -37,7 +40,7 @@ __all__ = [
     "GenerationResult", "Proposal", "ProposalPolicy", "NoDraft", "Chain", "check_proposal", "compile_proposal",
     "follow", "speculative_generate", "autoregressive_generate", "dflash_generate", "draft_states",
     "verify_proposal", "commit_path", "truncate_at_stop", "validate_request", "prefill",
-    "draft_round", "make_block", "check_structure",
+    "draft_round", "make_block", "check_structure", "RoundRunner", "RoundTarget", "LiveTarget",
 ]
 
 
@@ -243,6 +246,104 @@ def commit_path(adapter: TargetAdapter, cache, start: int, path: list[int], feat
     return start + len(keep), kept if carried is None else torch.cat([carried, kept])
 
 
+# ---------------------------------------------------------------------------------------------------- the round runner
+class RoundTarget(Protocol):
+    """The target's side of a round, what :class:`RoundRunner` injects: the live loop runs the models
+    (:class:`LiveTarget`), replay reads a known continuation (``dflash_core.replay``)."""
+
+    def draft(self, root: int) -> DraftBlock:
+        """The drafter's block for the round rooted at ``root`` (called only when the policy wants it)."""
+
+    def verify(self, proposal: Proposal, root: int) -> torch.Tensor:
+        """[n+1, V] the target's logits after the root and after each of the proposal's n nodes."""
+
+    def commit(self, path: list[int], committed: list[int], drafted: bool) -> None:
+        """The round accepted the nodes ``path`` and committed ``committed`` (the accepted tokens and the bonus, cut
+        at a stop token or the length limit); ``drafted``: whether :meth:`draft` ran this round."""
+
+
+class LiveTarget:
+    """The live round's target side: the drafter reads the committed positions' features, the target verifies the
+    proposal in one tree forward on its KV cache, and the cache keeps the root and the accepted path.
+
+    ``start`` counts the committed tokens in the target cache; ``pending`` holds the features of committed positions
+    the draft cache has not consumed yet (the prompt's after the prefill).
+    """
+
+    def __init__(self, adapter: TargetAdapter, draft: DFlashDraftModel | None, cache, start: int,
+                 pending: torch.Tensor | None, block_size: int | None = None, with_features: bool = True) -> None:
+        self.adapter, self.drafter, self.cache, self.block_size = adapter, draft, cache, block_size
+        self.start, self.pending, self.with_features = start, pending, with_features
+        self.draft_cache = DraftCache()
+        self._features: torch.Tensor | None = None  # the last verify's features, until its commit
+
+    def draft(self, root: int) -> DraftBlock:
+        return draft_round(self.drafter, self.adapter, root, self.pending, self.start, self.draft_cache,
+                           self.block_size)
+
+    def verify(self, proposal: Proposal, root: int) -> torch.Tensor:
+        out = verify_proposal(self.adapter, self.cache, proposal, root, self.start, self.with_features)
+        self._features = out.features
+        return out.logits
+
+    def commit(self, path: list[int], committed: list[int], drafted: bool) -> None:
+        carried = None if drafted else self.pending  # a round without the drafter consumed no features
+        self.start, self.pending = commit_path(self.adapter, self.cache, self.start, path, self._features, carried)
+
+
+@dataclass
+class RoundRunner:
+    """The rounds of speculative decoding, written once: the live loop and replay both run them.
+
+    A round asks the policy whether it wants the drafter, gets the drafter's block from the target side, lets the
+    policy propose a tree (its structure checked every round), has the target side verify it, walks it (the
+    proposal's own rule or sample-and-match), cuts the committed tokens at a stop token or the length limit, feeds
+    the accepted-and-committed nodes back to the policy, and books the round. Only verification differs between a
+    live run and a replay (:class:`RoundTarget`), so a replay cannot drift from the loop's policy handling.
+    """
+
+    policy: BlockPolicy
+    target: RoundTarget
+    stops: set[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    generator: torch.Generator | None = None
+    timer: StageTimer = field(default_factory=lambda: StageTimer(enabled=False))
+    check_trees: bool = False
+
+    def run(self, history: list[int], result: GenerationResult) -> GenerationResult:
+        """Rounds until a stop token or ``max_new_tokens``. ``history``: the prompt and the first generated token
+        (the root of the first round), which ``result.new_token_ids`` already holds; both grow in place."""
+        done = history[-1] in self.stops or len(result.new_token_ids) >= self.max_new_tokens
+        while not done:
+            done = self.round(history, result)
+        return result
+
+    def round(self, history: list[int], result: GenerationResult) -> bool:
+        """One round rooted at ``history[-1]``; returns whether generation ends."""
+        policy, timer, root = self.policy, self.timer, history[-1]
+        drafted = None
+        if policy.uses_draft and policy.wants_draft(history):
+            with timer.stage("draft"):  # the round's DraftBlock: [b-1, V'] logits, id map, states, Markov scorer
+                drafted = self.target.draft(root)
+        with timer.stage("tree"):
+            proposal = policy.propose(drafted, history)
+            check_structure(proposal, policy.name)
+            if self.check_trees:
+                check_proposal(proposal)
+        with timer.stage("verify"):
+            logits = self.target.verify(proposal, root)
+        with timer.stage("commit"):
+            path, bonus = verify_walk(proposal, logits, self.temperature, self.generator)
+            committed, done = truncate_at_stop([int(proposal.token_ids[i]) for i in path] + [bonus], self.stops,
+                                               self.max_new_tokens - len(result.new_token_ids))
+            policy.observe(path[: len(committed)])  # the accepted nodes that were committed (a stop cuts the rest)
+            self.target.commit(path, committed, drafted is not None)
+            result.add_round(committed, proposal)
+            history += committed
+        return done
+
+
 # ---------------------------------------------------------------------------------------------------- the loop
 @torch.inference_mode()
 def speculative_generate(
@@ -262,7 +363,7 @@ def speculative_generate(
 
     Every round the tree's structure is checked (:func:`check_structure`: what positions, mask and cache rely on);
     ``check_trees`` adds the costlier checks of :func:`check_proposal` (distinct sibling tokens), for developing a
-    policy."""
+    policy. The rounds themselves are :class:`RoundRunner`'s, on the live target (:class:`LiveTarget`)."""
     policy, adapter, stops = _prepare(target, draft, input_ids, policy, max_new_tokens, temperature, stop_token_ids,
                                       block_size)
     device, uses_draft = adapter.device, policy.uses_draft
@@ -273,33 +374,11 @@ def speculative_generate(
         return result
     with timer.stage("prefill"):  # the prompt enters the target cache; its features are the drafter's first context
         cache, root, pending = prefill(adapter, input_ids, temperature, generator, uses_draft)
-    start, draft_cache = int(input_ids.shape[1]), DraftCache()  # start: committed tokens in the target cache
     result.new_token_ids.append(root)
-    history = input_ids[0].tolist() + [root]
-    done = root in stops or max_new_tokens <= 1
+    live = LiveTarget(adapter, draft, cache, int(input_ids.shape[1]), pending, block_size, with_features=uses_draft)
+    runner = RoundRunner(policy, live, stops, max_new_tokens, temperature, generator, timer, check_trees)
     t_loop = time.perf_counter()
-    while not done:
-        drafted = None
-        if uses_draft and policy.wants_draft(history):
-            with timer.stage("draft"):  # the round's DraftBlock: [b-1, V'] logits, id map, states, Markov scorer
-                drafted = draft_round(draft, adapter, root, pending, start, draft_cache, block_size)
-        with timer.stage("tree"):
-            proposal = policy.propose(drafted, history)
-            check_structure(proposal, policy.name)
-            if check_trees:
-                check_proposal(proposal)
-        with timer.stage("verify"):
-            out = verify_proposal(adapter, cache, proposal, root, start, with_features=uses_draft)
-        with timer.stage("commit"):
-            path, bonus = verify_walk(proposal, out.logits, temperature, generator)
-            committed, done = truncate_at_stop([int(proposal.token_ids[i]) for i in path] + [bonus], stops,
-                                               max_new_tokens - len(result.new_token_ids))
-            policy.observe(path[: len(committed)])  # the accepted nodes that were committed (a stop cuts the rest)
-            carried = pending if drafted is None else None  # a round without the drafter consumed no features
-            start, pending = commit_path(adapter, cache, start, path, out.features, carried)
-            result.add_round(committed, proposal)
-            history += committed
-            root = bonus
+    runner.run(input_ids[0].tolist() + [root], result)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     result.timings = {**timer.totals(), "decode": time.perf_counter() - t_loop}

@@ -6,7 +6,8 @@ context the drafter would have seen), the policy builds its tree from those draf
 longest path that spells the continuation. The next root is the bonus token right after the accepted path. Given
 the continuation (plain decoding, once per prompt) and ONE teacher-forced target pass, every possible round start is
 drafted in one batched drafter forward (the training code's block attention mask), and the rounds are then replayed
-in order by the same policy and walk code the decode loop uses.
+in order by the decode loop's own :class:`~dflash_core.decoding.RoundRunner`, with the verify step reading the
+continuation (:class:`TeacherForcedTarget`) instead of running the target.
 
 In exact arithmetic the acceptance lengths equal those of :func:`dflash_core.decoding.speculative_generate`; in
 fp32/fp64 they match it exactly in the tests. In bf16 the decode loop's multi-token forwards round differently from
@@ -27,12 +28,11 @@ from dataclasses import dataclass
 import torch
 
 from .blocks import block_attention_mask, block_inputs
-from .decoding import (
-    BlockPolicy, as_policy, autoregressive_generate, check_structure, make_block, truncate_at_stop, verify_walk,
-)
+from .decoding import BlockPolicy, GenerationResult, RoundRunner, as_policy, autoregressive_generate, make_block
 from .target import TargetAdapter, tapped_forward
 
-__all__ = ["ReplayResult", "draft_hidden_all_rounds", "replay", "replay_policies", "replay_generate"]
+__all__ = ["ReplayResult", "TeacherForcedTarget", "draft_hidden_all_rounds", "replay", "replay_policies",
+           "replay_generate"]
 
 
 @dataclass
@@ -76,60 +76,68 @@ def draft_hidden_all_rounds(target, draft, ids: torch.Tensor, prompt_len: int, c
     return torch.cat(parts)
 
 
+_SHORT = ("the continuation ended before max_new_tokens without a stop token: pass the full greedy continuation "
+          "(plain decoding with the same stop tokens and max_new_tokens)")
+
+
+class TeacherForcedTarget:
+    """Replay's target side of :class:`~dflash_core.decoding.RoundRunner`: the known greedy continuation ``ids``
+    stands in for the target, and the drafter's block comes from the batched drafter pass (``hidden``).
+
+    The round rooted at sequence position ``anchor`` drafts from row ``anchor - prompt_len`` of ``hidden``. Its
+    verification needs no forward: the target's greedy choice after a node at depth d is the continuation's token at
+    ``anchor + d + 1`` (only nodes on the continuation's path are ever reached by the walk), so each row of the logits
+    is one-hot on that token. Past the continuation's end a row points at token 0; such a row can only be reached
+    when the continuation is too short, which :meth:`commit` reports.
+    """
+
+    def __init__(self, draft, adapter: TargetAdapter, hidden: torch.Tensor, ids: torch.Tensor, prompt_len: int):
+        self.drafter, self.adapter, self.hidden, self.ids = draft, adapter, hidden, ids
+        self.prompt_len = self.anchor = prompt_len
+
+    def draft(self, root: int):
+        row = self.anchor - self.prompt_len
+        if row >= len(self.hidden):
+            raise ValueError(_SHORT)
+        return make_block(self.drafter, self.adapter, self.hidden[row].to(self.adapter.device), root)  # [b-1, H]
+
+    def verify(self, proposal, root: int) -> torch.Tensor:
+        t = self.ids.shape[0]
+        depths = torch.cat([torch.zeros(1, dtype=torch.long), proposal.depths.cpu().long()])
+        nxt = self.anchor + depths + 1
+        choice = torch.where(nxt < t, self.ids[nxt.clamp(max=t - 1)], torch.zeros_like(nxt))
+        logits = torch.zeros(len(depths), self.adapter.vocab_size)
+        logits[torch.arange(len(depths)), choice] = 1.0
+        return logits
+
+    def commit(self, path: list[int], committed: list[int], drafted: bool) -> None:
+        if self.anchor + len(committed) >= self.ids.shape[0]:
+            raise ValueError(_SHORT)
+        if committed != self.ids[self.anchor + 1: self.anchor + 1 + len(committed)].tolist():
+            raise AssertionError("replay left the continuation: the policy or walk is not greedy")
+        self.anchor += len(committed)
+
+
 @torch.no_grad()
 def replay(target, draft, policy: BlockPolicy, ids: torch.Tensor, prompt_len: int, max_new_tokens: int,
            stop_token_ids: Sequence[int] | None = None, hidden: torch.Tensor | None = None) -> ReplayResult:
     """Replay greedy decoding of ``ids[prompt_len:]`` (the target's greedy continuation) with ``policy``.
 
-    ``hidden`` may pass :func:`draft_hidden_all_rounds`' result to replay several policies from one drafter pass.
-    The continuation must be what plain greedy decoding produced (it ends at a stop token or ``max_new_tokens``).
+    The rounds are the decode loop's own (:class:`~dflash_core.decoding.RoundRunner`), on
+    :class:`TeacherForcedTarget` instead of the live target. ``hidden`` may pass :func:`draft_hidden_all_rounds`'
+    result to replay several policies from one drafter pass. The continuation must be what plain greedy decoding
+    produced (it ends at a stop token or ``max_new_tokens``).
     """
     ids = ids.cpu()
-    t = ids.shape[0]
+    if not 0 < prompt_len < ids.shape[0]:
+        raise ValueError(f"need 0 < prompt_len < len(ids), got prompt_len={prompt_len}, len(ids)={ids.shape[0]}")
     if hidden is None:
         hidden = draft_hidden_all_rounds(target, draft, ids, prompt_len)
-    adapter = TargetAdapter(target, ())
-    stops = set(stop_token_ids or ())
-    vocab = adapter.vocab_size
+    side = TeacherForcedTarget(draft, TargetAdapter(target, ()), hidden, ids, prompt_len)
     history = ids[: prompt_len + 1].tolist()
-    generated = 1  # the prefill's token (the first root) is not a round
-    done = history[-1] in stops or max_new_tokens <= 1
-    anchor = prompt_len
-    result = ReplayResult([], [])
-    policy = as_policy(policy)
-    while not done:
-        if anchor - prompt_len >= len(hidden):
-            raise ValueError("the continuation ended before max_new_tokens without a stop token: pass the full "
-                             "greedy continuation (plain decoding with the same stop tokens and max_new_tokens)")
-        drafted = None
-        if policy.uses_draft and policy.wants_draft(history):  # as the loop: the policy may skip the drafter
-            states = hidden[anchor - prompt_len].to(adapter.device)  # [b-1, H]
-            drafted = make_block(draft, adapter, states, history[-1])
-        proposal = policy.propose(drafted, history)
-        check_structure(proposal, policy.name)
-        # the target's greedy choice after a node at depth d is the continuation's token at anchor + d + 1 (only
-        # nodes on the continuation's path are ever reached by the walk); past the end: a token no child carries
-        depths = torch.cat([torch.zeros(1, dtype=torch.long), proposal.depths.cpu().long()])
-        nxt = anchor + depths + 1
-        choice = torch.where(nxt < t, ids[nxt.clamp(max=t - 1)], torch.full_like(nxt, -1))
-        logits = torch.zeros(len(depths), vocab)
-        logits[choice >= 0, choice[choice >= 0]] = 1.0
-        logits[choice < 0, 0] = 1.0  # only past the last committed token: truncated below
-        path, bonus = verify_walk(proposal, logits, 0.0, None)
-        committed, done = truncate_at_stop([int(proposal.token_ids[i]) for i in path] + [bonus], stops,
-                                           max_new_tokens - generated)
-        policy.observe(path[: len(committed)])  # as the decode loop: only the accepted nodes that were committed
-        history += committed
-        generated += len(committed)
-        if anchor + len(committed) >= t:
-            raise ValueError("the continuation ended before max_new_tokens without a stop token: pass the full "
-                             "greedy continuation (plain decoding with the same stop tokens and max_new_tokens)")
-        if committed != ids[anchor + 1: anchor + 1 + len(committed)].tolist():
-            raise AssertionError("replay left the continuation: the policy or walk is not greedy")
-        result.acceptance_lengths.append(len(committed))
-        result.tree_sizes.append(len(proposal.token_ids))
-        anchor += len(committed)
-    return result
+    rounds = GenerationResult(history[-1:], [], {}, prompt_len)  # the prefill's token (the first root) is no round
+    RoundRunner(as_policy(policy), side, set(stop_token_ids or ()), max_new_tokens).run(history, rounds)
+    return ReplayResult(rounds.acceptance_lengths, rounds.tree_sizes)
 
 
 def replay_policies(target, draft, policies: dict[str, BlockPolicy], ids: torch.Tensor, prompt_len: int,
