@@ -15,11 +15,10 @@ the best open prefix B times, pushing its next sibling and its first child. ``bu
 the maximum of every chunk of 64 tokens; each chunk maximum is a distinct token, so the B-th best among the prefixes
 "chain of row maxima, then that token" is a lower bound tau on the score of the B-th best prefix. Any token of a tree
 prefix at depth d therefore has a log-prob >= tau - (chain score above d), and only chunks whose maximum reaches that
-cutoff are opened. On the CPU this runs ROW_BLOCK rows at a time (a row's log-softmax does not depend on the other
-rows, so the values are bit-identical) and stops at the first row whose chain score is below tau: every prefix
-through it scores at most that chain (log-probs are <= 0), so that row and all deeper ones are never log-softmaxed.
-The log-softmax is most of the builder's time, and a flat draft's tree is two or three levels deep. On CUDA all
-rows go at once, with one scalar sync, and one packed copy goes to the host.
+cutoff are opened. On the CPU this runs a block of rows at a time (a row's log-softmax does not depend on the other
+rows: bit-identical values) and stops at the first row whose chain score is below tau, since every prefix through
+it scores at most that chain (log-probs are <= 0): the log-softmax, most of the builder's time, skips that row and
+all deeper ones (a flat draft's tree is 2-4 levels deep). On CUDA all rows go at once: one sync, one packed copy.
 
 ``select_prefixes`` (host, numpy; the "pop loop"): enumerates, depth by depth, every prefix whose score reaches a
 bound tau (all children of the kept prefixes of the previous depth, as one outer sum and one mask per depth), then
@@ -53,7 +52,7 @@ MIN_CHUNKED_VOCAB = 16 * CHUNK  # below this the candidate search is not worth i
 HEAP_BELOW_FIXED, HEAP_BELOW_PER_ROW = 30, 5  # select_prefixes runs the heap for budgets below 30 + 5 x rows
 COMPRESS_ABOVE = 4096  # outer sums larger than this expand only the parents that keep a child
 ENUMERATION_CAP_PER_NODE = 64  # select_prefixes falls back to the heap if it would enumerate more than ~64 B prefixes
-ROW_BLOCK = 4  # CPU: rows log-softmaxed per step before checking whether a deeper row can still hold a node
+ROW_BLOCK = 4  # CPU: rows of the first log-softmax block; later blocks 1 to 2 x ROW_BLOCK, predicted from the chain
 OUTER_SUM_LIMIT = 1 << 24  # entries of one depth's outer sum (128 MiB of float64) above which the heap runs instead
 # (a huge budget, say 10**6 over a 49K vocabulary, would ask for a [V, V] array; the heap grows with its nodes only)
 
@@ -229,16 +228,16 @@ def _margin(bound: float) -> float:
 
 
 def _candidates_by_row_blocks(draft_logits: torch.Tensor, budget: int, max_rank: int) -> Candidates | None:
-    """CPU stage 1, ROW_BLOCK rows at a time: log-softmax, chunk maxima, then tau over the rows so far, until the
-    chain above the next row is below tau (see the module docstring). tau only grows as rows add distinct prefixes,
-    so entries below it never matter again: ``pool`` keeps the rest, and later k-th values run on a few hundred
-    entries. Returns None when tau is not finite (fewer than B finite entries): the caller takes complete rows."""
+    """CPU stage 1 by blocks of rows (module docstring): ROW_BLOCK rows first (more if needed for B entries), then as
+    many as the chain, falling at its mean rate so far, needs to drop below tau (1 to 2 ROW_BLOCK). tau only grows as
+    rows add prefixes, so entries below it never matter again: ``pool`` keeps the rest. Returns None when tau is not
+    finite (fewer than B finite entries): the caller then takes complete rows."""
     depth, vocab = draft_logits.shape
     num_chunks, width = vocab // CHUNK, vocab // CHUNK * CHUNK
     log_probs = torch.empty(depth, vocab)  # rows [0, done) filled
     distinct = torch.empty(depth, num_chunks + vocab - width)  # [depth, G + T]: chunk maxima, then the tail tokens
     log_probs_host, distinct_host = log_probs.numpy(), distinct.numpy()
-    chain, row_max = np.zeros(depth + 1), np.zeros(depth, dtype=np.float32)  # chain[d]: all-rank-0 score above d
+    chain, row_max = [0.0], []  # chain[d]: float64 score of the all-rank-0 prefix above row d (a running sum)
     pool, bound, done = np.zeros(0, dtype=np.float32), -math.inf, 0
     step = max(ROW_BLOCK, -(-budget // distinct.shape[1]))  # the first block alone holds >= B entries
     while done < depth and not chain[done] < bound - _margin(bound):
@@ -246,24 +245,28 @@ def _candidates_by_row_blocks(draft_logits: torch.Tensor, budget: int, max_rank:
         torch.log_softmax(draft_logits[done:stop], dim=-1, dtype=torch.float32, out=log_probs[done:stop])
         torch.amax(log_probs[done:stop, :width].unflatten(1, (num_chunks, CHUNK)), dim=-1,
                    out=distinct[done:stop, :num_chunks])
-        distinct_host[done:stop, num_chunks:] = log_probs_host[done:stop, width:]
-        row_max[done:stop] = distinct_host[done:stop].max(axis=1)
-        _check_row_maxima(row_max[done:stop], first_row=done)
-        chain[done + 1: stop + 1] = np.cumsum(np.concatenate((chain[done: done + 1], row_max[done:stop])))[1:]
-        family = distinct_host[done:stop] + chain[done:stop, None].astype(np.float32)  # [rows, G + T]
+        distinct_host[done:stop, num_chunks:] = log_probs_host[done:stop, width:]  # the tail (often empty)
+        row_max += distinct_host[done:stop].max(axis=1).tolist()
+        for row in range(done, stop):
+            chain.append(chain[row] + row_max[row])
+        if not math.isfinite(chain[stop]):
+            _check_row_maxima(np.array(row_max[done:]), first_row=done)
+        family = distinct_host[done:stop] + np.array(chain[done:stop], dtype=np.float32)[:, None]  # [rows, G + T]
         pool = np.concatenate((pool, family[family >= bound]))
         if pool.size >= budget:
             bound = float(torch.kthvalue(torch.from_numpy(pool), pool.size - budget + 1).values)
             pool = pool[pool >= bound]
-        done, step = stop, ROW_BLOCK
+        rate = -chain[stop] / stop  # mean descent per row so far
+        ahead = (chain[stop] - bound) / rate if rate > 0 and math.isfinite(bound) else math.inf  # rows to go
+        done, step = stop, max(1, math.ceil(ahead)) if ahead < 2 * ROW_BLOCK else 2 * ROW_BLOCK
     if not math.isfinite(bound):
         return None
     if done < depth:  # rows never log-softmaxed must still be valid drafts, as the reference requires
         _check_row_maxima(draft_logits[done:].amax(dim=-1).float().numpy(), first_row=done)
-    cutoff = (bound - _margin(bound) - chain[:done]).astype(np.float32)  # [done]
+    cutoff = (bound - _margin(bound) - np.array(chain[:done])).astype(np.float32)  # [done]
     body = log_probs[:done, :width].unflatten(1, (num_chunks, CHUNK))  # [done, G, CHUNK], a view
     found = _open_chunks_in_place(body, distinct[:done, num_chunks:], distinct[:done, :num_chunks],
-                                  torch.from_numpy(row_max[:done]), torch.from_numpy(cutoff))
+                                  torch.tensor(row_max), torch.from_numpy(cutoff))
     return _candidates_from_chunks(*found, num_chunks, max_rank, depth)
 
 
@@ -378,7 +381,7 @@ def _select_by_levels(candidates: Candidates, budget: int) -> SelectedNodes | No
     row_start, values, tokens = candidates.row_start, candidates.log_probs, candidates.token_ids
     usable = candidates.reachable_rows
     if usable == 0:
-        return None if candidates.cutoff[0] > -math.inf else _selected_empty()
+        return None if candidates.cutoff[0] > -math.inf else _best_first_heap([], [], budget)  # no node
     chain_above = np.concatenate(([0.0], np.cumsum(values[row_start[:usable]])))  # [usable + 1] all-rank-0 scores
     in_usable = row_start[usable]
     rows = candidates.rows[:in_usable]
@@ -410,7 +413,7 @@ def _select_by_levels(candidates: Candidates, budget: int) -> SelectedNodes | No
             return _select_by_heap(candidates, budget)
         layout.append((mask_total, parents.size, previous_first, starts[row]))
         previous_first = total
-        children = np.add.outer(row_values, parents)  # [k_d, parents]: a long inner axis is what numpy is fast at
+        children = row_values[:, None] + parents  # [k_d, parents]: a long inner axis is what numpy is fast at
         keep = children >= bound
         parents = children[keep]
         scores.append(parents)
@@ -464,11 +467,6 @@ def _select_by_heap(candidates: Candidates, budget: int) -> SelectedNodes | None
         chain_above = chain_above + values[row][0] if row < usable else chain_above
     worst = selected.log_probs[-1] if selected.log_probs.size == budget else math.nan
     return selected if reach == -math.inf or reach < worst else None
-
-
-def _selected_empty() -> SelectedNodes:
-    no_ids = np.zeros(0, dtype=np.int64)
-    return SelectedNodes(no_ids, no_ids, no_ids, np.zeros(0, dtype=np.float64))
 
 
 # ---------------------------------------------------------------------------------------------- entry point
