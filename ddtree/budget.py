@@ -14,8 +14,9 @@ Each round :class:`AutoBudget` builds the tree up to a cap once and keeps the pr
 * the ratio rule: ``(1 + sum a_i) / seconds(N)``, the best tokens per second of the round alone.
 
 The a_i are the drafter's path probabilities calibrated online against what the target accepted (default
-``depth``: one factor per depth; ``power``: p ** beta; ``bucket``: a reliability histogram over log p; ``none``: the
-drafter's own numbers), see :func:`calibrated_probs`. ``python -m experiments.auto_budget_study`` compares rules,
+``depth``: one factor per depth; ``edge``: a reliability curve of the drafter's conditional probabilities, one
+Bernoulli trial per edge whose parent was accepted, multiplied along each path; ``power``: p ** beta; ``bucket``: a
+reliability histogram over log p; ``none``: the drafter's own numbers), see :func:`calibrated_probs`. ``python -m experiments.auto_budget_study`` compares rules,
 calibrations and fixed budgets by offline replay under several cost curves. Neither the rule, the calibration nor the
 cost curve ever changes the output, only the tree size.
 
@@ -55,6 +56,7 @@ from dflash_core.tree import DraftTree
 from .build import build_tree
 from .conditioned import build_markov_tree
 from .cost import CostModel, OnlineCost, context_bucket, default_cap, measure_cost_model
+from .edges import EDGE_EDGES, edge_log_q, edge_probs
 
 __all__ = ["AutoBudget", "Round", "RoundMemory", "CALIBRATIONS", "RULES", "calibrated_probs", "best_prefix",
            "truncate_tree", "forget_shared_memory", "model_identity"]
@@ -106,15 +108,7 @@ CALIBRATIONS = ("none", "power", "depth", "bucket", "edge")
 RULES = ("marginal", "ratio")
 DEFAULT_CALIBRATION = "depth"
 _BUCKET_EDGES = np.array([-6.0, -4.0, -3.0, -2.5, -2.0, -1.5, -1.0, -0.7, -0.4, -0.2, -0.1])  # on log p
-_EDGE_EDGES = np.array([-4.0, -3.0, -2.3, -1.6, -1.2, -0.9, -0.6, -0.4, -0.25, -0.12, -0.05])  # on log q
 _MAX_DEPTH = 64
-
-
-def edge_log_q(log_p: np.ndarray, parents: np.ndarray) -> np.ndarray:
-    """Each node's conditional log-probability given its parent: its path log-prob minus its parent's (the root's
-    children: their own)."""
-    parents = np.asarray(parents, dtype=int)
-    return log_p - np.where(parents >= 0, log_p[np.maximum(parents, 0)], 0.0)
 
 
 class RoundMemory:
@@ -131,8 +125,8 @@ class RoundMemory:
         self.depth_nodes = np.zeros(_MAX_DEPTH + 1, dtype=np.int64)
         self.bucket_nodes = np.zeros(len(_BUCKET_EDGES) + 1, dtype=np.int64)
         self.bucket_hits = np.zeros(len(_BUCKET_EDGES) + 1)
-        self.edge_q, self.edge_hits = np.zeros(len(_EDGE_EDGES) + 1), np.zeros(len(_EDGE_EDGES) + 1)
-        self.edge_nodes = np.zeros(len(_EDGE_EDGES) + 1, dtype=np.int64)
+        self.edge_q, self.edge_hits = np.zeros(len(EDGE_EDGES) + 1), np.zeros(len(EDGE_EDGES) + 1)
+        self.edge_nodes = np.zeros(len(EDGE_EDGES) + 1, dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self.rounds)
@@ -160,8 +154,8 @@ class RoundMemory:
         parents = np.asarray(r.parents, dtype=int)
         tested = np.where(parents >= 0, r.accepted[np.maximum(parents, 0)], True)
         log_q = edge_log_q(r.log_p, parents)[tested]
-        which = np.searchsorted(_EDGE_EDGES, log_q)
-        size = len(_EDGE_EDGES) + 1
+        which = np.searchsorted(EDGE_EDGES, log_q)
+        size = len(EDGE_EDGES) + 1
         self.edge_q += sign * np.bincount(which, weights=np.exp(log_q), minlength=size)
         self.edge_hits += sign * np.bincount(which, weights=r.accepted[tested].astype(float), minlength=size)
         self.edge_nodes += sign * np.bincount(which, minlength=size)
@@ -222,33 +216,6 @@ def calibrated_probs(log_p: np.ndarray, depths: np.ndarray, rounds, method: str,
         return np.clip(factor[np.minimum(depths.astype(int), _MAX_DEPTH)] * p, 0.0, 1.0)
     mine = np.searchsorted(_BUCKET_EDGES, log_p)
     return (memory.bucket_hits[mine] + prior * p) / (memory.bucket_nodes[mine] + prior)
-
-
-def edge_probs(log_p: np.ndarray, depths: np.ndarray, parents: np.ndarray, memory: RoundMemory,
-               prior: float = 2.0) -> np.ndarray:
-    """The ``edge`` calibration: path acceptance as the product of calibrated conditional acceptances.
-
-    At T = 0 the target accepts the child of an accepted node whose token is its argmax, so a child with drafter
-    probability q is accepted with the probability g(q) that a token the drafter gives q is the target's argmax.
-    The drafter is trained toward the target's distribution, not its argmax: g sharpens q (a confident child is the
-    argmax more often than q says, an unlikely sibling less often), and by a curve that no single factor per depth
-    (``depth``) or per path probability (``bucket``, which mixes a likely deep node with an unlikely shallow one)
-    can represent. Each tested edge (its parent accepted) is one Bernoulli trial of g at its q, whatever its depth,
-    so the memory holds several times more trials per bucket than per-depth or per-path counts of the same rounds,
-    and an estimate for a deep node is built from the edges that lead to it. Depth enters only through the path
-    product. Siblings are exclusive: the children's g are scaled down where they would sum past 1."""
-    q = np.exp(edge_log_q(log_p, parents))
-    factor = (memory.edge_hits + prior) / (memory.edge_q + prior)
-    g = np.clip(q * factor[np.searchsorted(_EDGE_EDGES, np.log(np.maximum(q, 1e-300)))], 0.0, 1.0)
-    parents = np.asarray(parents, dtype=int)
-    total = np.bincount(parents + 1, weights=g, minlength=len(g) + 1)  # per parent (root = 0): sum of children's g
-    g = g / np.maximum(total[parents + 1], 1.0)
-    out = g.copy()
-    depths = np.asarray(depths, dtype=int)
-    for d in range(2, int(depths.max(initial=0)) + 1):  # depth by depth: a parent is final before its children
-        at = depths == d
-        out[at] *= out[parents[at]]
-    return out
 
 
 class AutoBudget(BlockPolicy):
