@@ -16,8 +16,10 @@ Each round :class:`AutoBudget` builds the tree up to a cap once and keeps the pr
 The a_i are the drafter's path probabilities calibrated online against what the target accepted (default
 ``depth``: one factor per depth; ``edge``: a reliability curve of the drafter's conditional probabilities, one
 Bernoulli trial per edge whose parent was accepted, multiplied along each path; ``power``: p ** beta; ``bucket``: a
-reliability histogram over log p; ``none``: the drafter's own numbers), see :func:`calibrated_probs`. ``python -m experiments.auto_budget_study`` compares rules,
-calibrations and fixed budgets by offline replay under several cost curves. Neither the rule, the calibration nor the
+reliability histogram over log p; ``none``: the drafter's own numbers), see :func:`calibrated_probs`.
+``python -m experiments.auto_budget_study`` compares rules, calibrations and fixed budgets by offline replay under
+several cost curves; ``python -m experiments.auto_oracle_study`` judges them against the per-dataset oracle as the
+benchmark does. Neither the rule, the calibration nor the
 cost curve ever changes the output, only the tree size.
 
 What a policy learns, and how to make runs reproducible. :meth:`AutoBudget.for_models` (what ``budget="auto"``
