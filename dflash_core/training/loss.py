@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 
 from ..markov import draft_index
+from ..target import tapped_forward
 from .blocks import block_attention_mask, block_inputs, position_weights
 from .config import TrainConfig
 from .objective import objective_weights
@@ -46,8 +47,6 @@ def target_features(target, ids: torch.Tensor, layer_ids: Sequence[int], topk: i
     The features come from :func:`dflash_core.target.tapped_forward`, the one reader of the target's taps, so the
     drafter trains on exactly the states the decode loop will hand it.
     """
-    from ..target import tapped_forward
-
     device = target.lm_head.weight.device
     out = tapped_forward(target, ids[None].to(device), layer_ids, use_cache=False)
     feats = out.features[0]  # [T, taps*H]

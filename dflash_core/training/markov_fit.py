@@ -27,6 +27,7 @@ from ..files import write_text_atomic
 from ..markov import MARKOV_KINDS, attach_markov_head, draft_index
 from ..model import load_draft
 from .blocks import position_weights, sample_anchors
+from ..target import tapped_forward
 from .config import TrainConfig
 from .loss import SequenceFeatures, _predicted_hidden
 
@@ -42,8 +43,8 @@ def batch_features(target, seqs: list[torch.Tensor], layer_ids, topk: int) -> li
     for i, s in enumerate(seqs):
         batch[i, : len(s)] = s
     device = target.lm_head.weight.device
-    out = target(input_ids=batch.to(device), output_hidden_states=True, use_cache=False)
-    feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)  # [n, L, taps*H]
+    out = tapped_forward(target, batch.to(device), layer_ids, use_cache=False)
+    feats = out.features  # [n, L, taps*H]
     top_logp, top_ids = torch.log_softmax(out.logits.float(), dim=-1).topk(topk, dim=-1)  # [n, L, k]
     return [SequenceFeatures(feats[i, : len(s)].clone(), top_ids[i, : len(s)], top_logp[i, : len(s)])
             for i, s in enumerate(seqs)]
