@@ -305,9 +305,10 @@ class Session:
 
     def _context_scale(self, todo: Sequence[Conversation], warm_length: int) -> dict[tuple[int, int], float]:
         """{(conversation, turn): how much slower a step is at the turn's context than at ``warm_length``}: the
-        measured cost curves' one-token step at the two context buckets (no drafter: no curve, 1.0), within
-        [0.5, 4] (a curve disturbed while it was measured must not size the run alone)."""
-        if self.models.draft is None:
+        measured cost curves' one-token step at the two context buckets (none when :meth:`calibrate` measured no
+        curve: 1.0), within [0.5, 4] (a curve disturbed while it was measured must not size the run alone)."""
+        priced = self.replayer is not None or any(v.budget in ("auto", "chain-auto") for v in self.variants)
+        if self.models.draft is None or not priced:  # no curves measured by :meth:`calibrate`: measure none here
             return {}
         from ddtree.cost import context_bucket, default_cap, measure_cost_model
 
