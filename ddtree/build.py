@@ -252,10 +252,9 @@ def _candidates_by_row_blocks(draft_logits: torch.Tensor, budget: int, max_rank:
         if not math.isfinite(chain[stop]):
             _check_row_maxima(np.array(row_max[done:]), first_row=done)
         family = distinct_host[done:stop] + np.array(chain[done:stop], dtype=np.float32)[:, None]  # [rows, G + T]
-        pool = np.concatenate((pool, family[family >= bound]))
+        pool = np.concatenate((pool[pool >= bound], family[family >= bound])) if done else family.ravel()
         if pool.size >= budget:
             bound = float(torch.kthvalue(torch.from_numpy(pool), pool.size - budget + 1).values)
-            pool = pool[pool >= bound]
         rate = -chain[stop] / stop  # mean descent per row so far
         ahead = (chain[stop] - bound) / rate if rate > 0 and math.isfinite(bound) else math.inf  # rows to go
         done, step = stop, max(1, math.ceil(ahead)) if ahead < 2 * ROW_BLOCK else 2 * ROW_BLOCK
