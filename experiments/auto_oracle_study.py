@@ -11,6 +11,8 @@ several ``auto`` variants side by side, under this machine's curves and under tw
 * ``flat``: a GPU-like curve where verification is nearly free up to 64 nodes (the largest trees win).
 
 A rule that only fits one curve is tuned to it; the oracle moves with the curve, so ``auto`` has to move with it.
+``NAME=curve.json`` prices with a saved curve instead (e.g. one bucket from ``$DDTREE_CACHE/costs``), so every
+prompt is priced alike and nothing is measured.
 
     OMP_NUM_THREADS=1 python -m experiments.auto_oracle_study --samples 2 --max-new-tokens 96 --out runs/auto-oracle
 """
