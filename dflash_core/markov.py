@@ -108,34 +108,76 @@ class MarkovScorer:
             z = z * self._gate[depth - 1]
         return torch.addmm(self.base[depth - 1], z, self._out)
 
-    def prefetch(self, width: int, k: int) -> None:
-        """Compute in one batched product the children of the ``width`` most likely tokens of every depth under the
-        block's unconditioned logits (where nearly every tree node lies), their ``k`` best each; later
-        :meth:`top_children` calls for those parents are lookups. Exact: the same numbers as computed one by one."""
+    def fill(self, keys, k: int) -> None:
+        """Compute the ``k`` best children of every (depth, parent draft column) in ``keys`` (Python ints) in ONE
+        batched product (one row of the head's embedding each, times the depth's gate, times ``W_out``; then one
+        log-softmax and one top-k over the batch) and keep them for :meth:`cached` and :attr:`known`. Keys already
+        held with ``k`` children are skipped.
+
+        Why batched: each call costs a fixed ~0.1 ms (seven torch ops and their Python, the [r, V'] output matrix
+        read again) on top of its rows (a rank-128 row over 4,096 columns is 0.5 M multiply-adds), so a tree's two
+        dozen distributions cost far less in a few batches than one by one. Exact: every row is the same sum as
+        :meth:`logits` computes alone (row-wise ops only); log-softmax gives the same normalisation as a separate
+        log-sum-exp at a fifth of its cost here."""
+        k = min(k, self.base.shape[1])
+        cache = self._cache
+        todo = list(dict.fromkeys(key for key in keys if key not in cache or len(cache[key][0]) < k))
+        if not todo:
+            return
+        pairs = torch.from_numpy(np.array(todo, dtype=np.int64))  # [m, 2] (depth, parent column)
+        depth_rows = pairs[:, 0] - 1  # [m] row of base (and gate) per key
         with torch.no_grad():
-            width, k = min(width, self.base.shape[1]), min(k, self.base.shape[1])
-            parents = torch.topk(self.base[:-1], width, dim=-1).indices  # [D-1, m] draft columns at depths 1..D-1
-            z = self._embed[parents]  # [D-1, m, r] (a draft column is the head's embedding row)
+            z = self._embed[pairs[:, 1]]  # [m, r]
             if self._gate is not None:
-                z = z * self._gate[1:, None, :]  # the children's depth decides the gate
-            rows = self.base[1:, None, :] + z @ self._out  # [D-1, m, V'] children rows at depths 2..D
+                z = z * self._gate[depth_rows]
+            rows = torch.log_softmax(torch.mm(z, self._out).add_(self.base[depth_rows]), dim=-1)  # [m, V']
             values, columns = torch.topk(rows, k, dim=-1)
-            log_probs = (values - torch.logsumexp(rows, dim=-1, keepdim=True)).double().numpy()
-        columns, parents = columns.numpy(), parents.numpy()
-        self._cache = {(d + 2, int(parents[d, j])): (log_probs[d, j], columns[d, j])
-                       for d in range(parents.shape[0]) for j in range(parents.shape[1])}
+        values, columns = values.double().numpy(), columns.numpy()
+        for i, key in enumerate(todo):
+            self._cache[key] = (values[i], columns[i])
+
+    def likely_parents(self, width: int, floor: float = -np.inf) -> list[tuple[int, int]]:
+        """Keys (children's depth, parent column) of the ``width`` most likely tokens of every depth under the
+        block's unconditioned logits, where most tree nodes lie (depths 1..D-1 as parents), down to the last depth
+        where the unconditioned top-1 chain still has log-probability >= ``floor`` (deeper ones are rarely in a
+        tree: on the shipped drafter's rounds at 32 nodes, a depth's top token below a chain log-probability of -8
+        almost never had children in the tree)."""
+        width = min(width, self.base.shape[1])
+        with torch.no_grad():
+            log_probs = torch.log_softmax(self.base[:-1], dim=-1)  # [D-1, V'] depths 1..D-1
+            top, parents = torch.topk(log_probs, width, dim=-1)  # [D-1, w]
+            chain = torch.cumsum(top[:, 0], 0)  # [D-1] the top-1 chain's log-probability
+            rows = int((chain >= floor).sum()) if floor > -np.inf else log_probs.shape[0]
+            parents = parents[:rows].numpy()  # [rows, w]
+        return [(d + 2, int(c)) for d in range(parents.shape[0]) for c in parents[d]]
+
+    def prefetch(self, width: int, k: int) -> None:
+        """:meth:`fill` the ``k`` best children of the :meth:`likely_parents`: a guess, so exact whatever it holds."""
+        self.fill(self.likely_parents(width), k)
+
+    @property
+    def known(self) -> dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]:
+        """What :meth:`fill` computed: (depth, parent draft column) -> (float64 log-probabilities, draft columns) of
+        that parent's best children, best first (read-only for callers)."""
+        return self._cache
+
+    def cached(self, depth: int, prev_id: int, k: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """The ``k`` best children of ``depth`` after the token ``prev_id`` (a target id) if :meth:`fill` holds
+        them: (float64 log-probabilities, draft columns), best first; else None."""
+        hit = self._cache.get((depth, int(self.index(prev_id))))
+        if hit is None or len(hit[0]) < min(k, self.base.shape[1]):
+            return None
+        return hit[0][:k], hit[1][:k]
 
     def top_children(self, depth: int, prev_id: int, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The ``k`` most probable draft-vocabulary columns of ``depth`` after the token ``prev_id`` (a target id),
-        best first: (float64 log-probabilities, columns). From :meth:`prefetch`'s batch when it holds that parent
-        with at least ``k`` children, else one product, a logsumexp and a top-k."""
-        hit = self._cache.get((depth, int(self.index(prev_id))))
-        if hit is not None and len(hit[0]) >= k:
-            return hit[0][:k], hit[1][:k]
-        with torch.no_grad():
-            row = self.logits(depth, [prev_id])[0]  # [V']
-            values, columns = torch.topk(row, min(k, row.shape[0]))
-            return (values - torch.logsumexp(row, 0)).double().numpy(), columns.numpy()
+        best first: (float64 log-probabilities, columns); from the batch :meth:`fill` computed, else computed (and
+        kept) on its own."""
+        hit = self.cached(depth, prev_id, k)
+        if hit is None:
+            self.fill([(depth, int(self.index(prev_id)))], k)
+            hit = self.cached(depth, prev_id, k)
+        return hit
 
     def log_probs(self, depth: int, prev_ids) -> np.ndarray:
         """[m, V'] float32 log-probabilities of ``depth`` given the previous tokens (target ids)."""

@@ -16,7 +16,7 @@ from ddtree import build_tree, ddtree_generate
 from ddtree.conditioned import build_conditioned_tree, build_markov_tree, reference_conditioned_tree
 from ddtree.generate import FixedBudget
 from dflash_core import BlockPolicy, Chain, autoregressive_generate, dflash_generate, load_draft, speculative_generate
-from dflash_core.markov import MarkovScorer, attach_markov_head, draft_index, markov_scorer
+from dflash_core.markov import MarkovHead, MarkovScorer, attach_markov_head, draft_index, markov_scorer
 from dflash_core.replay import replay_generate
 from dflash_core.tree import DraftTree
 
@@ -80,6 +80,63 @@ def test_scorer_equals_the_head_in_torch():
         bias = draft.markov(draft_index(draft, prev), states[depth - 1].expand(2, -1))
         expected = torch.log_softmax(base[depth - 1] + bias, dim=-1)
         assert np.allclose(scorer.log_probs(depth, prev.numpy()), expected.detach().numpy(), atol=1e-5)
+
+
+def _tiny_scorer(seed: int, kind: str):
+    """A real head over a 5-token draft vocabulary of an 8-token target, its scorer, and its bias in float64."""
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    head = MarkovHead(5, 6, 3, kind)
+    with torch.no_grad():
+        head.out.weight.normal_(0, 2.0)
+    d2t = torch.tensor([6, 1, 4, 0, 3])
+    t2d = np.full(8, 5, dtype=np.int64)
+    t2d[d2t.numpy()] = np.arange(5)
+    base, states = torch.randn(3, 5, generator=g) * 2, torch.randn(3, 6, generator=g)
+    scorer = MarkovScorer(head, base, states, lambda ids: t2d[ids])
+
+    def bias(depth, parent):  # the reference's parents: the root (a target id) at depth 1, else draft columns
+        prev = torch.tensor([int(t2d[parent]) if depth == 1 else parent])
+        with torch.no_grad():
+            return head(prev, states[depth - 1][None])[0].double()
+
+    return scorer, base, d2t, bias
+
+
+@pytest.mark.parametrize("wave,floor", [(8, -8.0), (1, -8.0), (2, float("-inf")), (3, 0.0)])
+@pytest.mark.parametrize("kind", ["token", "gated"])
+def test_markov_tree_equals_brute_force(kind, wave, floor, monkeypatch):
+    """The loop's builder (batched waves, the likely parents guessed first) against every path scored one by one:
+    whatever the wave size and the guess (none, all depths), the tree is the best one."""
+    import ddtree.conditioned as conditioned
+
+    monkeypatch.setattr(conditioned, "WAVE", wave)
+    monkeypatch.setattr(conditioned, "PREFETCH_FLOOR", floor)
+    for seed in range(3):
+        for budget in (1, 3, 8, 20, 60):
+            scorer, base, d2t, bias = _tiny_scorer(seed, kind)
+            root = 2 if seed != 1 else 6  # 2: outside the draft vocabulary (the head's OOV row)
+            tree = build_markov_tree(scorer, budget, root, d2t)
+            expected = {tuple(int(d2t[c]) for c in path): value
+                        for path, value in reference_conditioned_tree(base, budget, bias, root).items()}
+            got = _paths(tree)
+            assert set(got) == set(expected), (seed, budget)
+            for path, value in expected.items():
+                assert got[path] == pytest.approx(value, abs=1e-5)
+            tree.validate()
+
+
+def test_batched_children_equal_one_by_one():
+    """MarkovScorer.fill's batch (mixed depths, gated) gives each parent's children as its own row does."""
+    scorer, _, d2t, _ = _tiny_scorer(4, "gated")
+    keys = [(1, 5), (2, 0), (3, 4), (2, 3), (3, 0)]
+    scorer.fill(keys, 4)
+    for depth, column in keys:
+        prev = int(d2t[column]) if column < 5 else 2  # column 5: the OOV bucket (target 2 is outside)
+        row = scorer.log_probs(depth, [prev])[0]
+        values, columns = scorer.known[(depth, column)]
+        assert columns.tolist() == np.argsort(-row, kind="stable")[:4].tolist()
+        assert np.allclose(values, row[columns], atol=1e-6)
 
 
 def test_a_new_head_changes_nothing_until_trained():
