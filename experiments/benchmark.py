@@ -157,9 +157,11 @@ def _run_conversations(preset: Preset, models: Models, variants: list[Variant], 
 
 
 def _took(run: RunFolder, slug: str, seconds: float) -> None:
-    """Say (and record) how long the sized part took against its projection: the sizing's own check."""
-    projected = ((run.last_session or {}).get("sizing") or {}).get("projected_s")
-    run.update_session(took_s=round(seconds, 1))
+    """Say how long the sized part took against its projection (the sizing's own check), and keep it in this
+    session's manifest entry, written with the session's end (no write of its own)."""
+    session = run.last_session
+    projected = (session.get("sizing") or {}).get("projected_s")
+    session["took_s"] = round(seconds, 1)
     if projected:
         log(f"{slug}: decoding and replay took {seconds / 60:.1f} min, projected {projected / 60:.1f} min "
             f"({seconds / max(projected, 1e-9):.2f}x; over 1.2x: the machine was busier than in the warm-up)")
