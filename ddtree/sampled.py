@@ -272,6 +272,12 @@ class SampledTreePolicy(BlockPolicy):
     exactly that q, which is all its proof asks for (the rule is per node; nothing assumes siblings of different
     parents share a proposal). Without a head the draws, the random stream and the tree are the same as before.
 
+    A node's own row costs a head product, so with a head a new node's first child enters the heap ranked by an
+    upper bound, the node's own path log-probability (its child's is that plus a log-probability <= 0), and the row
+    is computed only when that entry reaches the top; then the child is re-ranked exactly. Candidates are therefore
+    drawn in the same order as if every row were computed at once (a bound above the exact rank surfaces no later),
+    and a node whose children could never be drawn within the budget never costs a product.
+
     ``token_map`` (the drafter's ``d2t``): when the draft logits have one column per entry of it, columns are draft
     indices and sampled tokens are mapped to target ids. ``rule`` is the verification rule the trees carry.
     """
@@ -337,13 +343,15 @@ class SampledTreePolicy(BlockPolicy):
         scores: list[float] = []
         taken: dict[int, list[int]] = {ROOT: []}
 
+        target_of = token_map.tolist() if mapped else None
+
         def key(node: int):
             """The row the children of ``node`` are drawn from (see :class:`_Rows`)."""
             if scorer is None:
                 return 0 if node == ROOT else depths[node]  # children of a depth-d node come from row d
             if node == ROOT:
                 return 1, int(root)
-            return depths[node] + 1, int(token_map[tokens[node]]) if mapped else tokens[node]
+            return depths[node] + 1, target_of[tokens[node]] if mapped else tokens[node]
 
         first = key(ROOT)
         if not np.isfinite(rows.prob(first)).all() or rows.top_log[first].size == 0:
@@ -354,6 +362,13 @@ class SampledTreePolicy(BlockPolicy):
         pushes = 1
         while heap and len(tokens) < self.budget:
             _, _, parent, rank = heapq.heappop(heap)
+            if rank < 0:  # a node's first child, until now ranked by its upper bound (see below): score it
+                below = key(parent)
+                rows.prob(below)
+                if len(rows.top_log[below]):
+                    heapq.heappush(heap, (-(scores[parent] + float(rows.top_log[below][0])), pushes, parent, 0))
+                    pushes += 1
+                continue
             row = key(parent)
             token = self.draw_child(rows, row, taken[parent])
             if token is None:
@@ -369,7 +384,10 @@ class SampledTreePolicy(BlockPolicy):
             if rank + 1 < len(rows.top_log[row]):  # its next sibling
                 heapq.heappush(heap, (-(base + float(rows.top_log[row][rank + 1])), pushes, parent, rank + 1))
                 pushes += 1
-            if depths[node] < depth:  # its first child: scored from its own row, known now that its token is
+            if depths[node] < depth and scorer is not None:  # its first child, ranked by an upper bound for now
+                heapq.heappush(heap, (-scores[node], pushes, node, -1))
+                pushes += 1
+            elif depths[node] < depth:  # its first child: scored from its row
                 below = key(node)
                 rows.prob(below)
                 if len(rows.top_log[below]):
