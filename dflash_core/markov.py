@@ -121,20 +121,18 @@ class MarkovScorer:
         log-sum-exp at a fifth of its cost here."""
         k = min(k, self.base.shape[1])
         cache = self._cache
-        todo = list(dict.fromkeys(key for key in keys if key not in cache or len(cache[key][0]) < k))
+        todo = [key for key in dict.fromkeys(keys) if key not in cache or len(cache[key][0]) < k]
         if not todo:
             return
-        pairs = torch.from_numpy(np.array(todo, dtype=np.int64))  # [m, 2] (depth, parent column)
-        depth_rows = pairs[:, 0] - 1  # [m] row of base (and gate) per key
+        pairs = np.array(todo, dtype=np.int64)  # [m, 2] (depth, parent column)
+        columns, depth_rows = torch.from_numpy(pairs[:, 1].copy()), torch.from_numpy(pairs[:, 0] - 1)
         with torch.no_grad():
-            z = self._embed[pairs[:, 1]]  # [m, r]
+            z = self._embed.index_select(0, columns)  # [m, r]
             if self._gate is not None:
-                z = z * self._gate[depth_rows]
-            rows = torch.log_softmax(torch.mm(z, self._out).add_(self.base[depth_rows]), dim=-1)  # [m, V']
-            values, columns = torch.topk(rows, k, dim=-1)
-        values, columns = values.double().numpy(), columns.numpy()
-        for i, key in enumerate(todo):
-            self._cache[key] = (values[i], columns[i])
+                z.mul_(self._gate.index_select(0, depth_rows))  # each row gated by its own depth's state
+            rows = torch.mm(z, self._out).add_(self.base.index_select(0, depth_rows))  # [m, V']
+            values, best = torch.topk(torch.log_softmax(rows, dim=-1), k, dim=-1)
+        cache.update(zip(todo, zip(values.numpy().astype(np.float64), best.numpy())))
 
     def likely_parents(self, width: int, floor: float = -np.inf) -> list[tuple[int, int]]:
         """Keys (children's depth, parent column) of the ``width`` most likely tokens of every depth under the
