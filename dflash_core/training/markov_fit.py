@@ -194,6 +194,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--objective", choices=OBJECTIVES, default="ce", help="per-position loss weights (see fit)")
     p.add_argument("--steps", type=int, default=None, help="train exactly this many steps (else --train-minutes)")
+    p.add_argument("--batch", type=int, default=2048, help="positions per step (whole blocks, about this many)")
     p.add_argument("--anchors", type=int, default=48)
     p.add_argument("--max-len", type=int, default=768)
     p.add_argument("--threads", type=int, default=None)
@@ -244,7 +245,7 @@ def main(argv=None) -> None:
     draft.train()
     data = {k: v for k, v in stored.items() if v.dim() > 0}
     stats = train_head(draft, rows, data, a.train_minutes * 60, a.lr, seed=a.seed, objective=a.objective,
-                       steps=a.steps)
+                       steps=a.steps, batch_size=a.batch)
     draft.eval()
     out = Path(a.out)
     draft.save_pretrained(out / "drafter", dtype=torch.bfloat16)
