@@ -343,7 +343,7 @@ class SampledTreePolicy(BlockPolicy):
         scores: list[float] = []
         taken: dict[int, list[int]] = {ROOT: []}
 
-        target_of = token_map.tolist() if mapped else None
+        target_of = token_map.tolist() if mapped and scorer is not None else None
 
         def key(node: int):
             """The row the children of ``node`` are drawn from (see :class:`_Rows`)."""
