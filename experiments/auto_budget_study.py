@@ -103,11 +103,10 @@ def user_policies(specs: list[str]) -> dict[str, str]:
 
 
 def run(args) -> dict:
-    from dflash_core.data import build_chat, select_items
+    from dflash_core.pools.catalog import OFFLINE_DATASETS, build_chat, select_items
     from dflash_core.default import load_default_pair, stop_token_ids
     from dflash_core.replay import draft_hidden_all_rounds, replay
     from dflash_core.timing import cpu_model
-    from experiments.datasets import OFFLINE_DATASETS
     from experiments.drafter_eval import reference_continuations
 
     if args.threads:

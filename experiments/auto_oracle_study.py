@@ -102,7 +102,7 @@ def run(args) -> dict:
     from ddtree.generate import make_policy
     from dflash_core.default import load_default_pair, stop_token_ids
     from dflash_core.replay import draft_hidden_all_rounds, replay
-    from experiments.datasets import OFFLINE_DATASETS, build_chat, select_items
+    from dflash_core.pools.catalog import OFFLINE_DATASETS, build_chat, select_items
     from experiments.drafter_eval import reference_continuations
     from experiments.replayed import round_seconds
 

@@ -34,7 +34,7 @@ import torch
 # Besides what this module uses, names kept importable from here (tests, experiments.gpu_check, older scripts): noqa.
 from experiments.console import log
 from experiments.cost_curve import explain_cost_curve, machine_cost_curve  # noqa: F401
-from experiments.datasets import DatasetUnavailableError
+from dflash_core.pools.items import DatasetUnavailableError
 from experiments.models import ByteTokenizer, Models, load_models, random_draft, tiny_target  # noqa: F401
 from experiments.presets import (
     BUDGET_POLICIES, DTYPES, PRESETS, TREE_KINDS, ModelPair, Preset, get_preset, with_overrides,

@@ -194,7 +194,7 @@ def format_table(summary: dict[str, dict[str, Any]]) -> str:
 def benchmark_prompts(tokenizer, datasets: Sequence[str], max_samples: int, seed: int = 0,
                       chat_template_kwargs: dict | None = None) -> tuple[list[list[int]], list[dict]]:
     """(input id lists, labels) of the first turns of the benchmark's selection, chat template as the benchmark's."""
-    from experiments.datasets import build_chat, select_items
+    from dflash_core.pools.catalog import build_chat, select_items
 
     prompts, labels = [], []
     for name in datasets:
@@ -247,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from dflash_core.default import default_dtype, resolve_device, stop_token_ids
     from dflash_core.files import write_text_atomic
     from dflash_core.timing import machine_identity
-    from experiments.datasets import build_chat
+    from dflash_core.pools.catalog import build_chat
     from experiments.presets import PRESETS
     from experiments.session import WARMUP_PROMPT
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddtree.generate import BUDGET_WORDS
-from experiments.datasets import HUB_DATASETS, KNOWN_DATASETS, OFFLINE_DATASETS, canonical_name
+from dflash_core.pools.catalog import HUB_DATASETS, KNOWN_DATASETS, OFFLINE_DATASETS, canonical_name
 from experiments.schema import METHODS, TREE_KINDS
 
 __all__ = ["ModelPair", "Preset", "PRESETS", "DTYPES", "BUDGET_POLICIES", "TREE_KINDS", "get_preset",
@@ -239,7 +239,7 @@ QUICK = Preset(
 
 _QWEN3_CHAT = (("enable_thinking", False),)
 # The DDTree paper's grid: 3 pairs x 10 datasets x T in {0, 1}, 2048 new tokens. Sample counts follow the reference
-# harness, capped by each dataset's benchmark split (experiments.datasets.BENCHMARK_POOL_SIZE). The six offline
+# harness, capped by each dataset's benchmark split (dflash_core.pools.catalog.BENCHMARK_POOL_SIZE). The six offline
 # datasets run by default; mbpp, livecodebench, swe-bench and alpaca need the hub and run only when asked.
 # The whole grid is far more than a session: ~560 turns per temperature x 10 variants x 2048 tokens is ~11 M tokens
 # per pair (days on one H200), so like the CPU presets it is sized to the machine: after each pair's warm-up the

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from experiments.console import log
-from experiments.datasets import BenchmarkItem, DatasetUnavailableError, build_chat, select_items
+from dflash_core.pools.catalog import build_chat, select_items
+from dflash_core.pools.items import BenchmarkItem, DatasetUnavailableError
 from experiments.models import Models
 from experiments.presets import Preset
 from experiments.run_folder import RunFolder

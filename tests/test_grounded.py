@@ -9,14 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from dflash_core import grounded
-from dflash_core.data import shingles
-from dflash_core.training.textcorpus import EXCLUDED_DISTRIBUTIONS, TextSource, iter_items
-from experiments import datasets
-from experiments.datasets import (
+from dflash_core.pools import catalog, grounded
+from dflash_core.pools.catalog import (
     KNOWN_DATASETS, OFFLINE_DATASETS, benchmark_pool_ids, benchmark_split, build_chat, load_dataset, select_items,
     training_split,
 )
+from dflash_core.pools.items import shingles
+from dflash_core.training.textcorpus import EXCLUDED_DISTRIBUTIONS, TextSource, iter_items
 
 # sha256 of [[sample_id, turns], ...]: the pool changes only on purpose (a new GROUNDED_SEED, new rules, new pins)
 POOL_FINGERPRINT = "3784579fdfe1aea0"
@@ -30,7 +29,7 @@ def items():
 def test_registered_offline(items):
     assert "grounded" in OFFLINE_DATASETS and "grounded" in KNOWN_DATASETS
     assert load_dataset("Grounded") == items  # names are normalised
-    assert datasets.BENCHMARK_POOL_SIZE["grounded"] is None
+    assert catalog.BENCHMARK_POOL_SIZE["grounded"] is None
 
 
 def test_pool_size_kinds_and_ids(items):
@@ -63,11 +62,11 @@ def test_every_prompt_quotes_its_input(items):
 
 
 def test_deterministic_and_fingerprinted(items):
-    datasets._pool.cache_clear()
+    catalog._pool.cache_clear()
     try:
-        again = grounded.load_grounded()
+        again = grounded.load_grounded(benchmark_split, training_split)
     finally:
-        datasets._pool.cache_clear()
+        catalog._pool.cache_clear()
     assert [(i.sample_id, i.turns) for i in again] == [(i.sample_id, i.turns) for i in items]
     blob = json.dumps([[i.sample_id, i.turns] for i in items]).encode()
     assert hashlib.sha256(blob).hexdigest()[:16] == POOL_FINGERPRINT

@@ -43,11 +43,6 @@ def test_imports_flow_one_way():
     for path in sorted((REPO / "ddtree").rglob("*.py")):
         bad = {m for m in _imported_modules(path) if m.split(".")[0] in ("experiments", "plots")}
         assert not bad, f"{path.relative_to(REPO)} imports {sorted(bad)}"
-    import dflash_core.data
-    import experiments.datasets
-
-    assert experiments.datasets.select_items is dflash_core.data.select_items  # one implementation, two paths
-    assert experiments.datasets.build_chat is dflash_core.data.build_chat
     assert "load_models" not in _defined_functions(REPO / "experiments" / "benchmark.py")
 
 

@@ -40,7 +40,7 @@ def prompt_plan(seed: int, passes: int):
 
 def _worker(index: int, a: argparse.Namespace) -> None:
     torch.set_num_threads(a.threads)
-    from ..data import build_chat
+    from ..pools.catalog import build_chat
     from .targets import default_taps, load_training_target, resolve_device
 
     device = resolve_device(a.device)

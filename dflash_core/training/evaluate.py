@@ -55,7 +55,8 @@ def replay_evaluator(target, prompts: list[list[int]], max_new_tokens: int, stop
 def benchmark_tau(target, draft, tokenizer, stop_ids: list[int], datasets: Sequence[str], per_dataset: int,
                   max_new_tokens: int, log: Callable[[str], None] = print) -> dict:
     """Greedy dflash_generate tau per dataset on the benchmark's own first items (select_items(name, n, seed=0))."""
-    from ..data import DatasetUnavailableError, build_chat, select_items
+    from ..pools.catalog import build_chat, select_items
+    from ..pools.items import DatasetUnavailableError
     from ..decoding import dflash_generate
 
     results = {}

@@ -3,8 +3,9 @@
 A drafter learns to predict what its *target* will say, so the responses to these prompts are the target's own
 (:mod:`.generate`, :mod:`.datagen`), never reference answers. Prompt sources:
 
-* ``gsm8k`` / ``math500`` / ``humaneval``: :func:`dflash_core.data.training_split`, i.e. pool items the benchmark
-  can never select (the test suite checks the ids against :func:`dflash_core.data.benchmark_pool_ids`);
+* ``gsm8k`` / ``math500`` / ``humaneval``: :func:`dflash_core.pools.catalog.training_split`, i.e. pool items the
+  benchmark can never select (the test suite checks the ids against
+  :func:`dflash_core.pools.catalog.benchmark_pool_ids`);
 * ``stdlib``: coding and explanation tasks built from the docstrings of Python's own standard library (PSF license);
 * ``code-tasks``: self-written classic programming exercises, asked plainly and as HumanEval-style stubs;
 * ``math-templates``: self-written arithmetic word problems and small algebra exercises with random numbers;
@@ -37,7 +38,8 @@ class PromptItem:
 # ---------------------------------------------------------------------------------------------------- benchmark pools
 def benchmark_training_prompts() -> list[PromptItem]:
     """Training-split items of the offline pools (never benchmark-eligible), in the benchmark's prompt format."""
-    from ..data import DatasetUnavailableError, training_split
+    from ..pools.catalog import training_split
+    from ..pools.items import DatasetUnavailableError
 
     items = []
     for name in ("gsm8k", "math500", "humaneval"):

