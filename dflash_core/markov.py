@@ -82,8 +82,9 @@ class MarkovScorer:
     ``base`` [D, V'] float32: the block's compact logits (row d-1 = depth d); ``states`` [D, H]: the drafter's output
     states; ``to_index``: target ids -> draft indices (OOV bucket for tokens outside the draft vocabulary).
     ``log_probs(depth, prev)`` is the log-softmax of ``base[depth-1] + bias(prev)``: exactly the distribution the
-    head was trained to give, as a float32 numpy row (a tree builder calls it once per expanded node). The product
-    runs in torch, on the threads the models use: a numpy product would start BLAS threads of its own, which keep
+    head was trained to give, as a float32 numpy row (the chain calls it once per depth). Tree builders ask for
+    many nodes' best children at once (:meth:`fill`, read back through :attr:`known` or :meth:`cached`); the
+    sampled tree takes whole rows (:meth:`logits`). The product runs in torch, on the threads the models use: a numpy product would start BLAS threads of its own, which keep
     spinning after each call and, on two cores, slow the next target forward about twofold.
     """
 
