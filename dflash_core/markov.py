@@ -84,8 +84,9 @@ class MarkovScorer:
     ``log_probs(depth, prev)`` is the log-softmax of ``base[depth-1] + bias(prev)``: exactly the distribution the
     head was trained to give, as a float32 numpy row (the chain calls it once per depth). Tree builders ask for
     many nodes' best children at once (:meth:`fill`, read back through :attr:`known` or :meth:`cached`); the
-    sampled tree takes whole rows (:meth:`logits`). The product runs in torch, on the threads the models use: a numpy product would start BLAS threads of its own, which keep
-    spinning after each call and, on two cores, slow the next target forward about twofold.
+    sampled tree takes whole rows (:meth:`logits`). The product runs in torch, on the threads the models use: a
+    numpy product would start BLAS threads of its own, which keep spinning after each call and, on two cores, slow
+    the next target forward about twofold.
     """
 
     def __init__(self, head: MarkovHead, base: torch.Tensor, states: torch.Tensor, to_index) -> None:
