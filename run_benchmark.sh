@@ -7,11 +7,11 @@
 #                                          to an hour of decoding per model pair (--full: the whole grid)
 #   bash run_benchmark.sh --preset paper --dry-run
 #                                          what that would run here (datasets, models, devices, disk, time), then
-#                                          exit without loading or running anything (python -m experiments.plan)
+#                                          exit without loading or running anything (python -m experiments.bench.plan)
 #   --hub-datasets                         also the preset's hub-only datasets (paper: mbpp, livecodebench,
 #                                          swe-bench, alpaca; they need the Hugging Face Hub and `datasets`)
 #
-# Any other argument goes to `python -m experiments.benchmark` (see its --help), e.g. --draft random,
+# Any other argument goes to `python -m experiments.bench` (see its --help), e.g. --draft random,
 # --datasets gsm8k,humaneval, --out runs/mine. Rerunning with the same --out resumes an interrupted run.
 # Offline machines: DDTREE_WHEELHOUSE=DIR makes setup install from a folder of wheels (docs/gpu.md).
 # On a CPU shared with other busy processes, add --threads 1: torch's two threads then wait on each other and run
@@ -54,12 +54,12 @@ SETUP_S=$((SECONDS - START))  # the first run's environment setup: not part of t
 if [ "$DRY_RUN" = "1" ]; then
   PLAN=(--preset "$PRESET" --out "$OUT")
   [ "$HUB" = "1" ] && PLAN+=(--hub-datasets)
-  exec "$DDTREE_PYTHON" -m experiments.plan "${PLAN[@]}" ${ARGS[@]+"${ARGS[@]}"}
+  exec "$DDTREE_PYTHON" -m experiments.bench.plan "${PLAN[@]}" ${ARGS[@]+"${ARGS[@]}"}
 fi
 
 if [ "$HUB" = "1" ]; then  # the preset's datasets plus its hub-only ones, named (so an unreachable one is an error)
   HUB_LIST="$("$DDTREE_PYTHON" -c 'import sys
-from experiments.presets import get_preset, with_overrides
+from experiments.bench.presets import get_preset, with_overrides
 preset = get_preset(sys.argv[1])
 print(",".join(with_overrides(preset, include_hub=True).datasets) if preset.hub_datasets else "")' "$PRESET")"
   if [ -z "$HUB_LIST" ]; then
@@ -78,7 +78,7 @@ if [ "$PRESET" = "paper" ] && [ -z "${WORLD_SIZE:-}" ]; then
 fi
 
 echo "[run_benchmark] preset $PRESET -> $OUT"
-"${LAUNCH[@]}" -m experiments.benchmark --preset "$PRESET" --out "$OUT" ${ARGS[@]+"${ARGS[@]}"}
+"${LAUNCH[@]}" -m experiments.bench --preset "$PRESET" --out "$OUT" ${ARGS[@]+"${ARGS[@]}"}
 
 # One figure set per run folder (the paper preset writes one folder per target/drafter pair).
 FOLDERS=()

@@ -17,8 +17,8 @@ The a_i are the drafter's path probabilities calibrated online against what the 
 ``depth``: one factor per depth; ``edge``: a reliability curve of the drafter's conditional probabilities, one
 Bernoulli trial per edge whose parent was accepted, multiplied along each path; ``power``: p ** beta; ``bucket``: a
 reliability histogram over log p; ``none``: the drafter's own numbers), see :func:`calibrated_probs`.
-``python -m experiments.auto_budget_study`` compares rules, calibrations and fixed budgets by offline replay under
-several cost curves; ``python -m experiments.auto_oracle_study`` judges them against the per-dataset oracle as the
+``python -m experiments.studies.auto_budget_study`` compares rules, calibrations and fixed budgets by offline replay under
+several cost curves; ``python -m experiments.studies.auto_oracle_study`` judges them against the per-dataset oracle as the
 benchmark does. Neither the rule, the calibration nor the
 cost curve ever changes the output, only the tree size.
 
@@ -39,7 +39,6 @@ no clock unless given one (``clock=time.perf_counter``), so a policy built with 
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 import time
@@ -52,11 +51,10 @@ from typing import Callable
 import numpy as np
 import torch
 
-from dflash_core.policy import BlockPolicy, Chain, DraftBlock, as_block
+from dflash_core.policy import BlockPolicy, DraftBlock, as_block
 from dflash_core.tree import DraftTree
 
-from .build import build_tree
-from .conditioned import build_markov_tree
+from .candidates import cap_tree
 from .cost import CostModel, OnlineCost, context_bucket, default_cap, measure_cost_model
 from .edges import EDGE_EDGES, edge_log_q, edge_probs
 
@@ -270,7 +268,7 @@ class AutoBudget(BlockPolicy):
                    rule: str = "marginal", chain: bool = False, temperature: float = 0.0,
                    share_memory: bool = True, window: int = 256, online: bool = True) -> "AutoBudget":
         """The policy with the cost curve of ``target`` + ``draft`` on this machine: ``cost`` if given, else the
-        curve of a GPU ``profile`` (``experiments.gpu_check``), else the cached curve of ``context_bucket(context)``
+        curve of a GPU ``profile`` (``experiments.studies.gpu_check``), else the cached curve of ``context_bucket(context)``
         tokens (``context``: the prompt length; default 256) -- derived from the buckets :func:`ddtree.cost.calibrate`
         measured when that one is not cached, measured now (``calibration_s``, logged) when none is.
         ``online``: correct the curve from the policy's own round timings. ``share_memory``: continue the round
@@ -368,12 +366,7 @@ class AutoBudget(BlockPolicy):
     def candidates(self, block: DraftBlock, history: list[int]) -> tuple[DraftTree, np.ndarray]:
         """The drafter's best tree (or chain) at the cap and its nodes' calibrated acceptance probabilities: under
         the conditioned distribution when the drafter has a Markov head (``block.scorer``)."""
-        if self.chain:
-            full = Chain().propose(dataclasses.replace(block, logits=block.logits[: self.cap], _full=None), history)
-        elif block.scorer is not None:
-            full = build_markov_tree(block.scorer, self.cap, block.root, block.token_map)
-        else:
-            full = build_tree(block.logits, self.cap, token_map=block.token_map)
+        full = cap_tree(block, self.cap, self.chain, history)
         ready = len(self.memory) >= self.warmup
         probs = calibrated_probs(full.log_probs.double().numpy(), full.depths.numpy(), self.memory if ready else (),
                                  self.calibrate, parents=full.parents.numpy())

@@ -14,7 +14,7 @@ to its bucket (:func:`context_bucket`, powers of two). :func:`calibrate` measure
 of any timed generation; ``auto`` then asks ``measure_cost_model(..., extrapolate=True)``, which reads the bucket, or
 derives a bucket nobody measured from those measured (:func:`across_contexts`), and only measures when none is cached
 (logged on the ``ddtree`` logger, and reported by the policy as ``calibration_s``). A GPU profile written by
-``experiments.gpu_check`` can stand in (:meth:`CostModel.from_profile`).
+``experiments.studies.gpu_check`` can stand in (:meth:`CostModel.from_profile`).
 
 A measured curve is a starting point: :class:`OnlineCost` corrects it from the loop's own round timings, and
 :func:`curve_error` says how far the corrected curve moved from the measured one.
@@ -44,6 +44,7 @@ from dflash_core.timing import cache_path, cached_json, machine_key, median_seco
 from dflash_core.tree import DraftTree
 
 from .build import build_tree
+from .candidates import cap_tree
 
 __all__ = ["CostModel", "OnlineCost", "across_contexts", "calibrate", "context_bucket", "cost_key", "curve_error",
            "default_cap", "default_grid", "isotonic", "measure_cost_model"]
@@ -135,7 +136,7 @@ class CostModel:
     @classmethod
     def from_profile(cls, profile: str | Path | dict, model: str | None = None,
                      context: int | None = None) -> "CostModel":
-        """The curve of ``model`` (default: the profile's first) from a ``experiments.gpu_check`` profile, at the
+        """The curve of ``model`` (default: the profile's first) from a ``experiments.studies.gpu_check`` profile, at the
         measured context length nearest to ``context`` (by ratio; default: the longest measured)."""
         raw = json.loads(Path(profile).read_text()) if not isinstance(profile, dict) else profile
         models = raw.get("models") or {}
@@ -210,8 +211,8 @@ def measure_cost_model(target, draft, grid: Sequence[int] | None = None, context
 
     ``verify_s(N)``: compiling root + N nodes (ids, positions, ancestor mask), the target forward over them with the
     drafter's taps, the walk, compacting the cache to an accepted path and gathering the next context features.
-    ``fixed_s``: the drafter pass with its LM head and the policy itself (best-first tree at ``cap`` nodes, the size
-    ``auto`` really builds, then the choice of prefix). ``chain=True``: the N nodes are a chain, verified without a
+    ``fixed_s``: the drafter pass with its LM head and the best-first tree at ``cap`` nodes, the size ``auto`` really
+    builds (:func:`ddtree.candidates.cap_tree`, the same function the policy calls). ``chain=True``: the N nodes are a chain, verified without a
     mask, and the policy is ``chain-auto``'s. ``grid``: the sizes N (default :func:`default_grid`).
 
     Cached per machine, models, dtype, kernels, kind, ``context`` and ``cap`` under ``$XDG_CACHE_HOME/ddtree/costs``
@@ -297,15 +298,11 @@ def _verify_seconds(adapter: TargetAdapter, draft, grid: tuple[int, ...], contex
 
 def _fixed_seconds(adapter: TargetAdapter, draft, context: int, repeats: int, cap: int, chain: bool,
                    gen: torch.Generator) -> float:
-    """Median seconds of the loop's draft step plus the policy's proposal (tree at the cap, choice of prefix)."""
-    # the one import that cannot sit at the top: ddtree.budget (the policy) imports this module for its cost curves,
-    # and the fixed part of a round is the policy's own proposal, timed here
-    from .budget import AutoBudget
-
+    """Median seconds of the loop's draft step plus the tree ``auto`` builds at the cap (:func:`cap_tree`; its choice
+    of a prefix, numpy over the cap's nodes, is microseconds and not timed)."""
     vocab = adapter.vocab_size
     feats = adapter.forward(torch.randint(0, vocab, (context,), generator=gen), torch.arange(context),
                             adapter.new_cache()).features  # [context, taps * hidden]
-    policy = AutoBudget(CostModel((0, 1), (1.0, 1.0), 0.0), cap=cap, calibrate=False, chain=chain)  # timed, not used
     new = min(4, context - 1)  # a steady round: a few newly committed tokens join the drafter's cache
     draft_cache = DraftCache()
     decoding.draft_states(draft, adapter, 0, feats[: context - new], context - new, draft_cache)  # the context before
@@ -313,7 +310,7 @@ def _fixed_seconds(adapter: TargetAdapter, draft, context: int, repeats: int, ca
 
     def draft_round():  # the loop's draft step and the policy's proposal
         block = decoding.draft_round(draft, adapter, root, feats[context - new:], context, draft_cache)
-        policy.propose(block, [root])  # the loop's history ends with the root
+        cap_tree(block, cap, chain, [root])  # the tree auto chooses its prefix of (the loop's history ends at the root)
         draft_cache.crop(context - new)
 
     return median_seconds(draft_round, repeats, adapter.device, warmup=1)

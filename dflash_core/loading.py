@@ -1,7 +1,7 @@
 """Loading a Hugging Face target for decoding or training: straight onto its device, with an attention backend that
 applies the tree mask, and the token ids that end its turns.
 
-Used by the benchmark (``experiments.models``) and the training recipe (``dflash_core.training``) alike.
+Used by the benchmark (``experiments.bench.models``) and the training recipe (``dflash_core.training``) alike.
 """
 
 from __future__ import annotations

@@ -16,24 +16,12 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullLocator
 
-from experiments.schema import METHOD_LABELS, SampleRecord, dataset_label
+from experiments.bench.schema import METHOD_LABELS, SampleRecord, dataset_label
 from plots.colors import METHOD_COLORS
 from plots.metrics import Stats, find, groups_of, oracle_stats
 from plots.speedup import plot_speedup
+from plots.style import STYLE, figure_title, save_figure, temperature_tag
 
-STYLE = {
-    "font.size": 11,
-    "axes.titlesize": 12,
-    "axes.labelsize": 11,
-    "xtick.labelsize": 10,
-    "ytick.labelsize": 10,
-    "legend.fontsize": 9.5,
-    "axes.grid": True,
-    "grid.alpha": 0.3,
-    "axes.spines.top": False,
-    "axes.spines.right": False,
-    "savefig.dpi": 150,
-}
 DATASET_PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
                    "#bcbd22", "#17becf")
 AR_LINE = {"color": "#555555", "linestyle": ":", "linewidth": 1.3}
@@ -45,25 +33,6 @@ LOOKUP_LINE = {"linestyle": ":", "marker": "D", "markersize": 4, "linewidth": 1.
 # Replayed (projected) fixed budgets: thin dash-dot lines with hollow circles, beside the live (solid) lines.
 PROJECTED_LINE = {"linestyle": (0, (5, 2, 1, 2)), "marker": "o", "markersize": 4, "markerfacecolor": "white",
                   "linewidth": 1.0, "alpha": 0.9}
-
-
-def temperature_tag(t: float) -> str:
-    """File-name tag of a temperature: 0 -> ``T0``, 0.7 -> ``T0p7``."""
-    return "T" + f"{t:g}".replace(".", "p").replace("-", "m")
-
-
-def _save(fig: Figure, out_dir: Path, stem: str, formats: Sequence[str]) -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for fmt in formats:
-        path = out_dir / f"{stem}.{fmt}"
-        fig.savefig(path, bbox_inches="tight", pad_inches=0.1)
-        paths.append(path)
-    return paths
-
-
-def _title(text: str, subtitle: str | None) -> str:
-    return f"{text}\n{subtitle}" if subtitle else text
 
 
 def _temperatures(stats: Iterable[Stats]) -> list[float]:
@@ -213,11 +182,11 @@ def plot_budget_tradeoff(stats: list[Stats], temperature: float, out_dir: str | 
                                            projected)
         axes[0].set_title("Speedup")
         axes[1].set_title("Acceptance length τ")
-        fig.suptitle(_title(f"DDTree budget trade-off, T = {temperature:g}", subtitle))
+        fig.suptitle(figure_title(f"DDTree budget trade-off, T = {temperature:g}", subtitle))
         any_policy = any(_policies(stats, d, temperature) for d in datasets)
         handles, labels = _tradeoff_legend(datasets, colors, lines, any_policy, without_size, bool(replayed_fixed))
         fig.legend(handles, labels, loc="outside lower center", ncol=min(5, len(labels)), frameon=False)
-        return _save(fig, Path(out_dir), f"budget_tradeoff_{temperature_tag(temperature)}", formats)
+        return save_figure(fig, Path(out_dir), f"budget_tradeoff_{temperature_tag(temperature)}", formats)
 
 
 # ---- (c) acceptance-length histograms ----------------------------------------------------------------------------
@@ -284,16 +253,16 @@ def plot_acceptance_histograms(records: Sequence[SampleRecord], stats: list[Stat
             ax.legend(loc="upper right", frameon=False, fontsize=8.5)
         for ax in axes[len(panels):]:
             ax.set_visible(False)
-        fig.suptitle(_title(f"Acceptance lengths, {METHOD_LABELS['dflash']} vs {METHOD_LABELS['ddtree']}, "
+        fig.suptitle(figure_title(f"Acceptance lengths, {METHOD_LABELS['dflash']} vs {METHOD_LABELS['ddtree']}, "
                             f"T = {temperature:g}", subtitle))
-        return _save(fig, Path(out_dir), f"acceptance_hist_{temperature_tag(temperature)}", formats)
+        return save_figure(fig, Path(out_dir), f"acceptance_hist_{temperature_tag(temperature)}", formats)
 
 
 def plot_all(records: Sequence[SampleRecord], stats: list[Stats], out_dir: str | Path, *,
              formats: Sequence[str] = ("png", "pdf"), fixed_budget: int | None = None,
              subtitle: str | None = None, projected: Sequence[Stats] = ()) -> list[Path]:
     """Every figure for every temperature present; returns the files written. ``projected``: stats of replayed
-    records (``experiments.replayed``), drawn in the budget trade-off beside the live rows."""
+    records (``experiments.bench.replayer``), drawn in the budget trade-off beside the live rows."""
     paths: list[Path] = []
     for t in _temperatures(stats):
         paths += plot_speedup(stats, t, out_dir, formats=formats, fixed_budget=fixed_budget, subtitle=subtitle)

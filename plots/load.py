@@ -1,4 +1,4 @@
-"""Find run folders and read their records (through experiments.schema only)."""
+"""Find run folders and read their records (through experiments.bench.schema only)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from experiments.schema import (
+from experiments.bench.schema import (
     MANIFEST_FILENAME, RECORDS_FILENAME, REPLAYED_FILENAME, Manifest, SampleRecord, read_records,
 )
 

@@ -24,7 +24,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable
 
-from experiments.schema import (
+from experiments.bench.schema import (
     EXTRA_TREE_SIZES, LOOKUP_POLICY, SampleRecord, bootstrap_ci, dataset_sort_key, lookup_share, method_label,
     near_tie_or_equal, paired_speedup, tree_kind, variant_sort_key,
 )
@@ -110,7 +110,7 @@ class Stats:
         return is_sampled_tree(self.method, self.budget, self.tree)
 
 
-_variant_sort_key = variant_sort_key  # the display order lives in experiments.schema (the runner's summary uses it)
+_variant_sort_key = variant_sort_key  # the display order lives in experiments.bench.schema (the runner's summary uses it)
 
 
 def _quartiles(values: list[float]) -> tuple[float, float, float] | tuple[None, None, None]:

@@ -1,7 +1,7 @@
 """Replayed rounds next to the live run: the projected table, ``auto`` against the oracle on equal terms, the live
 paired intervals, and the harness's own check (replayed against live τ).
 
-Replayed records (``replayed.jsonl``, written by ``experiments.replayed``) hold every policy's rounds on plain
+Replayed records (``replayed.jsonl``, written by ``experiments.bench.replayer``) hold every policy's rounds on plain
 decoding's own text with ``decode_s`` = the seconds the machine's measured cost curve gives those rounds, and plain
 decoding's row priced the same way, so :func:`plots.metrics.compute_stats` reads them as it reads live records: a
 speedup there is a projected one, on the same text for every policy.
@@ -13,7 +13,7 @@ import statistics
 from collections import defaultdict
 from typing import Iterable
 
-from experiments.schema import SampleRecord, bootstrap_ci, dataset_label, dataset_sort_key
+from experiments.bench.schema import SampleRecord, bootstrap_ci, dataset_label, dataset_sort_key
 from plots.metrics import Stats, compute_stats, groups_of
 from plots.tables import all_rows, markdown_table
 
@@ -94,7 +94,7 @@ def auto_vs_oracle(stats: list[Stats], title: str) -> str:
 
 def _per_prompt(records: list[SampleRecord]) -> dict[tuple, dict[str, float]]:
     """{(dataset, temperature, sample, turn): {label: seconds per token}}."""
-    from experiments.schema import method_label
+    from experiments.bench.schema import method_label
 
     out: dict[tuple, dict[str, float]] = defaultdict(dict)
     for r in records:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from experiments.schema import write_text_atomic
+from experiments.bench.schema import write_text_atomic
 from plots.figures import plot_all
 from plots.load import Run, find_runs, merge_records, merge_replayed
 from plots.metrics import compute_stats, headline_stats

@@ -17,8 +17,9 @@ import matplotlib
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from experiments.schema import dataset_label
+from experiments.bench.schema import dataset_label
 from plots.metrics import Stats, groups_of, oracle_stats
+from plots.style import STYLE, figure_title, save_figure, temperature_tag
 
 __all__ = ["FAMILY_SHADES", "plot_speedup", "speedup_families"]
 
@@ -121,8 +122,6 @@ def plot_speedup(stats: list[Stats], temperature: float, out_dir: str | Path, *,
     """Token-weighted speedup over AR per dataset (and the mean), one panel per method family (see the module
     docstring); per-prompt interquartile ranges as thin black lines. ``fixed_budget`` is accepted for the callers'
     sake: every fixed budget is drawn anyway."""
-    from plots.figures import STYLE, _save, _title, temperature_tag
-
     families = speedup_families(stats, temperature)
     if not families:
         return []
@@ -142,10 +141,10 @@ def plot_speedup(stats: list[Stats], temperature: float, out_dir: str | Path, *,
             handles, labels = ax.get_legend_handles_labels()
             ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False, fontsize=8.5)
         axes[0].set_ylim(0, top * 1.28)
-        fig.suptitle(_title(f"Decoding speedup over AR per dataset, T = {temperature:g}", subtitle))
+        fig.suptitle(figure_title(f"Decoding speedup over AR per dataset, T = {temperature:g}", subtitle))
         keys = [Line2D([], [], **AR_LINE), Line2D([], [], color="black", linewidth=0.8),
                 Line2D([], [], color="black", marker="^", markersize=6, linestyle="none")]
         fig.legend(keys, ["AR (1×)", "per-prompt interquartile range",
                           "best fixed budget of the dataset (oracle, chosen after the fact)"],
                    loc="outside lower center", ncol=3, frameon=False)
-        return _save(fig, Path(out_dir), f"speedup_{temperature_tag(temperature)}", formats)
+        return save_figure(fig, Path(out_dir), f"speedup_{temperature_tag(temperature)}", formats)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from experiments.schema import (
+from experiments.bench.schema import (
     NEAR_TIE_MARGIN, SampleRecord, dataset_label, dataset_sort_key, method_label, variant_sort_key,
 )
 from plots.metrics import ORACLE_LABEL, Stats, compute_stats, groups_of, headline_stats, oracle_stats, target_forwards

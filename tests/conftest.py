@@ -139,7 +139,7 @@ def equal_or_fp32_tie(record) -> bool:
     best logits tie in fp32: the margin the record itself measured there is at most ``FP32_TIE``, as
     ``test_default_pair`` admits ties across CPUs. Leaving it at a clear margin, or without a measured margin (a
     sampled record: its draws do not tie), is a real difference."""
-    from experiments.schema import EXTRA_AR_MARGIN
+    from experiments.bench.schema import EXTRA_AR_MARGIN
 
     if record.matches_ar:
         return True

@@ -7,7 +7,7 @@ import random
 import sys
 from pathlib import Path
 
-from experiments.schema import REPLAYED_FILENAME, SampleRecord, append_record
+from experiments.bench.schema import REPLAYED_FILENAME, SampleRecord, append_record
 
 DATASETS = ("gsm8k", "math500", "aime24", "aime25", "humaneval", "mt-bench", "grounded")
 LIVE = (("ar", None, "ar"), ("dflash", None, "chain"), ("ddtree", 8, "fixed"), ("ddtree", 16, "fixed"),

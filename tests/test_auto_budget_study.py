@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ddtree.cost import CostModel
-from experiments.auto_budget_study import FIXED, markdown, summarize
+from experiments.studies.auto_budget_study import FIXED, markdown, summarize
 
 
 def test_summary_prices_rounds_with_the_curve_and_picks_the_oracle_per_dataset():
@@ -32,8 +32,8 @@ def test_summary_prices_rounds_with_the_curve_and_picks_the_oracle_per_dataset()
 
 
 def test_user_policies_are_loaded_by_name_and_refused_clearly(tmp_path, monkeypatch, capsys):
-    from experiments.auto_budget_study import main, user_policies
-    from experiments.policies import PolicyError
+    from experiments.studies.auto_budget_study import main, user_policies
+    from experiments.bench.policies import PolicyError
 
     (tmp_path / "study_policy.py").write_text(
         "from ddtree import FixedBudget\n\n"

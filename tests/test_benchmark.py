@@ -11,11 +11,15 @@ import pytest
 import torch
 
 from conftest import equal_or_fp32_tie
-from experiments import benchmark
-from experiments.benchmark import RankInfo, Variant, existing_records, merge_rank_files, run_pair
+from experiments.bench import cli as benchmark
+from experiments.bench.cli import run_pair
+from experiments.bench.ranks import RankInfo
+from experiments.bench.run_folder import existing_records, merge_rank_files
+from experiments.bench.models import ByteTokenizer
+from experiments.bench.variants import Variant, make_variants
 from dflash_core.pools.catalog import build_chat, select_items
-from experiments.presets import PRESETS, TINY, ModelPair, Preset, get_preset, with_overrides
-from experiments.schema import Manifest, read_records
+from experiments.bench.presets import PRESETS, TINY, ModelPair, Preset, get_preset, with_overrides
+from experiments.bench.schema import Manifest, read_records
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -28,7 +32,7 @@ def one_thread():
 
 
 def expected_keys(preset: Preset) -> set[tuple]:
-    variants = benchmark.make_variants(preset)
+    variants = make_variants(preset)
     keys = set()
     for t in preset.temperatures:
         for dataset in preset.datasets:
@@ -53,11 +57,11 @@ def test_presets_are_valid_and_match_the_issue():
     assert set(default.datasets) == {"gsm8k", "math500", "aime24", "aime25", "humaneval", "mt-bench", "grounded"}
     assert default.methods == ("ar", "dflash", "ddtree", "pld") and default.temperatures == (0.0,)
     # live by default: plain decoding, DFlash, two fixed budgets, auto, PLD, DDTree+lookup under auto; six prompts
-    labels = [v.label for v in benchmark.make_variants(default)]
+    labels = [v.label for v in make_variants(default)]
     assert labels == ["AR", "DFlash", "DDTree (B=8)", "DDTree (B=16)", "DDTree (auto)", "PLD",
                       "DDTree+lookup (auto)"], labels
     assert default.max_samples >= 6 and default.min_samples >= 6
-    full = [v.label for v in benchmark.make_variants(with_overrides(default, full=True))]
+    full = [v.label for v in make_variants(with_overrides(default, full=True))]
     assert {"DDTree (B=2)", "DDTree (B=64)", "DFlash (auto)", "DDTree+lookup (B=16)"} <= set(full), full
     # replayed: every budget 2..64, auto, the chain, PLD and the lookup trees
     assert {2, 4, 8, 16, 32, 64, "auto", "chain"} <= set(default.replay_budgets)
@@ -127,7 +131,7 @@ def test_methods_run_interleaved_and_second_turn_continues_ar(tiny_run):
         assert [r.method for r in group][0] == "ar"  # AR first: the reference
         orders.add(tuple(r.budget for r in group[1:]))
     assert len(orders) > 1  # the order of the other methods rotates
-    tokenizer = benchmark.ByteTokenizer()
+    tokenizer = ByteTokenizer()
     item = next(i for i in select_items("mt-bench", 2, 0))
     ar0 = next(r for r in records
                if (r.dataset, r.sample_id, r.turn, r.method) == ("mt-bench", item.sample_id, 0, "ar"))
@@ -229,8 +233,7 @@ def test_ranks_split_the_samples_and_rank0_merges(tmp_path):
 
 # ---------------------------------------------------------------------------------------------------- gpu check
 def test_gpu_check_tiny_cpu_path_writes_a_profile(tmp_path):
-    from experiments import gpu_check
-
+    from experiments.studies import gpu_check
     path = tmp_path / "profile.json"
     assert gpu_check.main(["--allow-cpu", "--tiny", "--out", str(path)]) == 0
     profile = json.loads(path.read_text())
@@ -254,8 +257,7 @@ def test_gpu_check_tiny_cpu_path_writes_a_profile(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
 def test_gpu_check_refuses_cpu_without_flags(tmp_path, capsys):
-    from experiments import gpu_check
-
+    from experiments.studies import gpu_check
     assert gpu_check.main(["--out", str(tmp_path / "p.json")]) == 2
     err = capsys.readouterr().err
     assert "no CUDA device" in err and "--tiny" in err
@@ -270,7 +272,7 @@ def test_torchrun_ranks_write_their_own_files_and_rank0_merges(tmp_path):
     out = tmp_path / "torchrun"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "experiments.benchmark", "--preset", "tiny", "--out", str(out), "--datasets", "gsm8k,mt-bench",
+           "-m", "experiments.bench", "--preset", "tiny", "--out", str(out), "--datasets", "gsm8k,mt-bench",
            "--max-samples", "2", "--methods", "ar,ddtree", "--budgets", "4"]
     done = subprocess.run(cmd, cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True,
                           timeout=300)
@@ -285,7 +287,7 @@ def test_torchrun_ranks_write_their_own_files_and_rank0_merges(tmp_path):
 
 
 def test_cost_curve_explanation_names_the_regime():
-    from experiments.benchmark import explain_cost_curve
+    from experiments.bench.cost_curve import explain_cost_curve
 
     flat = {0: 1.0, 8: 1.05, 32: 1.3}
     steep = {0: 1.0, 8: 2.0, 32: 4.0}
@@ -298,7 +300,7 @@ def test_cost_curve_explanation_names_the_regime():
 def _units(datasets, samples, variants, turns=None):
     from types import SimpleNamespace
 
-    from experiments.benchmark import Unit
+    from experiments.bench.sizing import Unit
 
     units, index = [], 0
     for d in datasets:
@@ -310,7 +312,7 @@ def _units(datasets, samples, variants, turns=None):
 
 
 def test_size_run_follows_the_stated_rule():
-    from experiments.benchmark import size_run
+    from experiments.bench.sizing import size_run
 
     variants = [Variant("ar"), Variant("dflash")] + [Variant("ddtree", b) for b in (4, 8, 16, 32, 64, 128)] + [
         Variant("ddtree", "auto")]
@@ -349,7 +351,7 @@ def test_sized_run_records_what_it_left_out(tmp_path, capsys):
 
 def test_top2_margin_is_the_gap_between_the_two_best_logits():
     from conftest import make_target
-    from experiments.benchmark import top2_margin
+    from experiments.bench.session import top2_margin
 
     target = make_target("llama", vocab=32, layers=2, hidden=16)
     prompt_ids, continuation = torch.tensor([[3, 5, 7]]), [9, 11, 13]
@@ -361,7 +363,7 @@ def test_top2_margin_is_the_gap_between_the_two_best_logits():
 def test_exact_match_column_separates_near_ties_from_real_differences():
     """Two records equal to plain decoding, one leaving it at a near-tie (margin 0.1), one at a clear choice
     (margin 3.0): 50% equal, 75% up to near-ties."""
-    from experiments.schema import EXTRA_AR_MARGIN, SampleRecord
+    from experiments.bench.schema import EXTRA_AR_MARGIN, SampleRecord
     from plots.metrics import compute_stats
     from plots.tables import markdown_table
 
@@ -380,17 +382,17 @@ def test_exact_match_column_separates_near_ties_from_real_differences():
 
 # ---------------------------------------------------------------------------------------------------- datasets
 def test_unavailable_dataset_is_left_out_unless_named(tmp_path, monkeypatch, capsys):
-    from experiments import session
     from dflash_core.pools.items import DatasetUnavailableError
+    from experiments.bench import conversation
 
-    real = session.select_items
+    real = conversation.select_items
 
     def offline(name, n, seed=0):
         if name == "mt-bench":
             raise DatasetUnavailableError("mt-bench needs the hub here")
         return real(name, n, seed)
 
-    monkeypatch.setattr(session, "select_items", offline)
+    monkeypatch.setattr(conversation, "select_items", offline)
     out = tmp_path / "offline"
     args = ["--preset", "tiny", "--out", str(out), "--max-samples", "1", "--methods", "ar,dflash"]
     assert benchmark.main(args) == 0  # the tiny preset's datasets: gsm8k and mt-bench
@@ -423,14 +425,3 @@ def test_manifest_is_read_once_and_written_once_per_event(tmp_path, monkeypatch)
     monkeypatch.undo()
     sessions = Manifest.read(out / "manifest.json").extra["sessions"]
     assert len(sessions) == 2 and all(s["complete"] for s in sessions) and "sizing" in sessions[0]
-
-
-def test_experiments_never_import_plots():
-    import ast
-
-    repo = Path(__file__).resolve().parent.parent
-    for path in sorted((repo / "experiments").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            assert not any(n.split(".")[0] == "plots" for n in names), f"{path.name} imports plots"

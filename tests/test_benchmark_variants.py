@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from conftest import equal_or_fp32_tie
-from experiments import benchmark
-from experiments.schema import Manifest, read_records
-from experiments.variants import Variant
+from experiments.bench import cli as benchmark
+from experiments.bench.schema import Manifest, read_records
+from experiments.bench.variants import Variant
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -143,7 +143,7 @@ def test_fp32_ties_are_admitted_only_where_the_record_measured_one():
     """The rule every fp32 benchmark test applies: equal, or (greedy) first leaving plain decoding at a logit margin
     of at most FP32_TIE that the record measured; a clear margin, no margin, or a sampled record is a difference."""
     from conftest import FP32_TIE
-    from experiments.schema import EXTRA_AR_MARGIN
+    from experiments.bench.schema import EXTRA_AR_MARGIN
     from test_schema import make_record
 
     def rec(match, margin=None, temperature=0.0):

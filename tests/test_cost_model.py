@@ -11,11 +11,12 @@ from dflash_core.target import TargetAdapter
 
 def test_cost_model_times_whole_rounds_at_the_callers_context(monkeypatch, tmp_path):
     import ddtree.budget as budget
+    import ddtree.candidates as candidates
     import dflash_core.decoding as decoding
 
     monkeypatch.setenv("DDTREE_CACHE", str(tmp_path))
     seen = {"build": [], "walk": 0, "compact": [], "prefill": []}
-    real_build, real_walk = budget.build_tree, decoding.verify_walk
+    real_build, real_walk = candidates.build_tree, decoding.verify_walk
     real_compact, real_forward = TargetAdapter.compact, TargetAdapter.forward
 
     def build(logits, n, token_map=None):
@@ -35,7 +36,7 @@ def test_cost_model_times_whole_rounds_at_the_callers_context(monkeypatch, tmp_p
             seen["prefill"].append(len(token_ids))
         return real_forward(self, token_ids, position_ids, cache, *args, **kwargs)
 
-    monkeypatch.setattr(budget, "build_tree", build)
+    monkeypatch.setattr(candidates, "build_tree", build)  # the tree auto builds at its cap
     monkeypatch.setattr(decoding, "verify_walk", walk)
     monkeypatch.setattr(TargetAdapter, "compact", compact)
     monkeypatch.setattr(TargetAdapter, "forward", forward)

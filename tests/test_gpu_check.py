@@ -1,4 +1,4 @@
-"""The GPU check (experiments/gpu_check.py) runs with only what a bare GPU image has: torch, transformers, numpy."""
+"""The GPU check (experiments/studies/gpu_check.py) runs with only what a bare GPU image has: torch, transformers, numpy."""
 
 import subprocess
 import sys
@@ -11,7 +11,7 @@ def test_gpu_check_needs_nothing_beyond_torch_transformers_numpy(tmp_path):
     """What a bare GPU image has is enough: the check pulls in none of the project's other dependencies."""
     code = (
         "import sys, torch\n"
-        "from experiments import gpu_check\n"
+        "from experiments.studies import gpu_check\n"
         "env = gpu_check.environment(torch.device('cpu'), gpu_check.TINY_CHECK)\n"
         "target = gpu_check.build_target(gpu_check.TINY, torch.float32, torch.device('cpu'))\n"
         "draft = gpu_check.build_draft(target, gpu_check.TINY_CHECK)\n"
@@ -30,8 +30,7 @@ def test_the_tiny_check_writes_its_profile_after_every_step_and_checks_fp32_too(
     import dataclasses
     import json
 
-    from experiments import gpu_check
-
+    from experiments.studies import gpu_check
     out = tmp_path / "profile.json"
     seen = []
     real = gpu_check.verify_curve

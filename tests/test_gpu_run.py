@@ -1,4 +1,4 @@
-"""The prepared GPU run (python -m experiments.gpu_run): its CPU dry run end to end, and what it survives.
+"""The prepared GPU run (python -m experiments.studies.gpu_run): its CPU dry run end to end, and what it survives.
 
 The dry run is the very command the GPU box runs, on tiny shapes with --device cpu, so the GPU path cannot rot
 unseen. The oracle trees of the exactness step must really accept tokens: a loop that compacts the cache to a
@@ -27,7 +27,7 @@ def _env() -> dict[str, str]:
 
 def test_the_cpu_dry_run_writes_every_step_and_a_summary(tmp_path):
     out = tmp_path / "out"
-    done = subprocess.run([sys.executable, "-m", "experiments.gpu_run", "--device", "cpu", "--tiny", "--out",
+    done = subprocess.run([sys.executable, "-m", "experiments.studies.gpu_run", "--device", "cpu", "--tiny", "--out",
                            str(out), "--time-budget", "240"], cwd=REPO, capture_output=True, text=True, timeout=400,
                           env={**_env(), "DDTREE_CACHE": str(tmp_path / "cache")})
     files = sorted(p.name for p in out.iterdir())
@@ -60,7 +60,7 @@ def _args(out: Path, device: str = "cpu") -> argparse.Namespace:
 
 
 def test_a_timed_out_or_failing_step_is_recorded_and_the_run_goes_on(tmp_path):
-    from experiments.gpu_run import runner
+    from experiments.studies.gpu_run import runner
 
     timed_out = runner.launch("verify", _args(tmp_path), limit=0.5, deadline=time.time() + 0.5)
     on_disk = json.loads((tmp_path / "2-verify.json").read_text())
@@ -74,7 +74,7 @@ def test_a_timed_out_or_failing_step_is_recorded_and_the_run_goes_on(tmp_path):
 
 
 def test_a_spent_time_budget_skips_the_remaining_steps(tmp_path):
-    from experiments.gpu_run import runner
+    from experiments.studies.gpu_run import runner
 
     args = argparse.Namespace(**vars(_args(tmp_path)), time_budget=1.0)
     results = runner.run_all(args)
@@ -84,8 +84,8 @@ def test_a_spent_time_budget_skips_the_remaining_steps(tmp_path):
 
 def test_oracle_trees_catch_a_prefix_compaction_that_random_trees_miss(monkeypatch):
     from dflash_core import decoding
-    from experiments import gpu_check
-    from experiments.gpu_run.steps import tiny_pair
+    from experiments.studies import gpu_check
+    from experiments.studies.gpu_run.steps import tiny_pair
 
     target, draft = tiny_pair(torch.float32, torch.device("cpu"))
     config = dataclasses.replace(gpu_check.TINY_CHECK, lossless_prompts=1, lossless_prompt_len=12,

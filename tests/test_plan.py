@@ -1,5 +1,5 @@
-"""The dry run (experiments.plan, ``run_benchmark.sh --dry-run``), the paper preset's sizing and datasets, and
-where a pair's weights come from (experiments.models: local folders, the hub cache, the disk check, chat settings).
+"""The dry run (experiments.bench.plan, ``run_benchmark.sh --dry-run``), the paper preset's sizing and datasets, and
+where a pair's weights come from (experiments.bench.models: local folders, the hub cache, the disk check, chat settings).
 Everything offline on the CPU: no model is downloaded, the paper's models are never loaded."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments import models as models_mod
-from experiments.models import (
+from experiments.bench import models as models_mod
+from experiments.bench.models import (
     KNOWN_SHAPES, InsufficientDiskError, ModelPair, check_weights, load_models, locate_weights, parameter_count,
 )
-from experiments.presets import PAPER, get_preset, matching_pair, with_overrides
+from experiments.bench.presets import PAPER, get_preset, matching_pair, with_overrides
 
 REPO = Path(__file__).resolve().parent.parent
 QWEN3_TEMPLATE = (
@@ -180,8 +180,7 @@ def test_a_local_qwen3_folder_keeps_the_chat_settings_of_its_family(tmp_path):
 
 # ---------------------------------------------------------------------------------------------------- the dry run
 def test_paper_dry_run_on_a_cpu_offline(tmp_path, offline_hub, no_loading, capsys):
-    from experiments import plan
-
+    from experiments.bench import plan
     out_json = tmp_path / "plan.json"
     assert plan.main(["--preset", "paper", "--out", str(tmp_path / "runs"), "--json", str(out_json)]) == 0
     text = capsys.readouterr().out
@@ -203,8 +202,7 @@ def test_paper_dry_run_on_a_cpu_offline(tmp_path, offline_hub, no_loading, capsy
 
 
 def test_dry_run_with_a_local_target_folder_and_the_hub_datasets(tmp_path, offline_hub, capsys):
-    from experiments import plan
-
+    from experiments.bench import plan
     folder = save_tiny_qwen3(tmp_path / "Qwen3-8B")
     assert plan.main(["--preset", "paper", "--target", str(folder), "--draft", "random", "--max-samples", "2",
                       "--hub-datasets", "--check", "--out", str(tmp_path / "runs")]) == 1
@@ -219,8 +217,7 @@ def test_each_hub_dataset_is_checked_for_its_own_package_and_cache(tmp_path, mon
     import inspect
 
     from dflash_core.pools import catalog
-    from experiments import plan_sources
-
+    from experiments.bench import plan_sources
     cache = tmp_path / "hf-cache"
     cache.mkdir()
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))

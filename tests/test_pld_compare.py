@@ -1,4 +1,4 @@
-"""experiments.pld_compare on a tiny random Llama in fp64: the rows' fields, the rotation, and every method's
+"""experiments.studies.pld_compare on a tiny random Llama in fp64: the rows' fields, the rotation, and every method's
 output (transformers' greedy and prompt lookup, our lookup and plain decoding) equal to plain greedy, stop or not."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import pytest
 
 from conftest import make_target, prompt
-from experiments import pld_compare
-from experiments.pld_compare import METHODS, compare_prompts, format_table, summarize
+from experiments.studies import pld_compare
+from experiments.studies.pld_compare import METHODS, compare_prompts, format_table, summarize
 
 VOCAB = 64
 

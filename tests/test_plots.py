@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import plot_results
-from experiments.schema import Manifest, SampleRecord, append_record
+from experiments.bench.schema import Manifest, SampleRecord, append_record
 from plots import compute_stats, load_records, make_report, oracle_stats, summary_table
 from plots.metrics import find
 
@@ -281,7 +281,7 @@ def test_scaling_fit_recovers_a_log_linear_curve_and_projects_the_goal(tmp_path)
 
 
 def test_paired_tau_change_between_two_evaluations():
-    from experiments.drafter_stream import paired_change
+    from experiments.studies.drafter_stream import paired_change
 
     before = {"per_prompt": {"a/1/chain": [10, 5], "b/2/chain": [12, 6], "c/3/chain": [9, 9], "a/1/32": [10, 4]}}
     after = {"per_prompt": {"a/1/chain": [10, 4], "b/2/chain": [12, 6], "c/3/chain": [9, 8], "a/1/32": [10, 4]}}
@@ -339,6 +339,6 @@ def test_lookup_variants_and_dflash_auto_in_tables_and_figures(tmp_path):
 
 def test_plot_colors_live_in_plots():
     from plots.colors import METHOD_COLORS, VARIANT_COLORS
-    from experiments.schema import METHODS
+    from experiments.bench.schema import METHODS
 
     assert set(METHOD_COLORS) == set(METHODS) and "chain-auto" in VARIANT_COLORS

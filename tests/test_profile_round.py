@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 
-from experiments.profile_round import main
+from experiments.studies.profile_round import main
 
 
 def test_profile_round_tiny_pair(tmp_path, capsys, monkeypatch):

@@ -1,4 +1,4 @@
-"""The replay of every budget on plain decoding's text (experiments.replayed) and what plots make of it."""
+"""The replay of every budget on plain decoding's text (experiments.bench.replayer) and what plots make of it."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from conftest import equal_or_fp32_tie
-from experiments import benchmark
-from experiments.replayed import Replayer, round_seconds
-from experiments.schema import REPLAYED_FILENAME, SampleRecord, read_records
-from experiments.variants import Variant
+from experiments.bench import cli as benchmark
+from experiments.bench.replayer import Replayer, round_seconds
+from experiments.bench.schema import REPLAYED_FILENAME, SampleRecord, read_records
+from experiments.bench.variants import Variant
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_replayed_records_are_priced_by_the_cost_curve(replayed_run):
 def test_size_run_keeps_the_minimum_samples_before_later_turns_and_budgets():
     from types import SimpleNamespace
 
-    from experiments.sizing import Unit, size_run
+    from experiments.bench.sizing import Unit, size_run
 
     variants = [Variant("ar"), Variant("dflash"), Variant("ddtree", 8), Variant("ddtree", 16), Variant("ddtree", "auto")]
     datasets = ("gsm8k", "mt-bench", "grounded")
@@ -101,7 +101,7 @@ def test_replayer_refuses_what_it_cannot_replay():
 
 
 def test_run_output_says_what_ran_live_and_how_many_prompts(replayed_run):
-    from experiments.schema import Manifest
+    from experiments.bench.schema import Manifest
 
     live = Manifest.read(replayed_run / "manifest.json").extra["sessions"][-1]["sizing"]["live"]
     assert live["variants"] == ["AR", "DFlash", "DDTree (B=4)", "DDTree (B=16)"]
@@ -193,11 +193,11 @@ def test_speedup_figure_labels_never_overlap_and_families_differ(tmp_path, monke
     rgb = [mcolors.to_rgb(c) for c in (colors["DDTree (auto)"], colors["DDTree+lookup (auto)"])]
     assert sum(abs(a - b) for a, b in zip(*rgb)) > 0.5
 
-    import plots.figures as figures
+    import plots.speedup as speedup
     from plots.speedup import plot_speedup
 
     drawn = {}
-    monkeypatch.setattr(figures, "_save", lambda fig, out_dir, stem, formats: drawn.setdefault("fig", fig) and [])
+    monkeypatch.setattr(speedup, "save_figure", lambda fig, out_dir, stem, formats: drawn.setdefault("fig", fig) and [])
     plot_speedup(stats, 0.0, tmp_path)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 

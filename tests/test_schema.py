@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.schema import (
+from experiments.bench.schema import (
     METHOD_LABELS,
     METHODS,
     Manifest,
@@ -113,7 +113,7 @@ def test_killed_writer_loses_at_most_the_record_in_flight(tmp_path):
     path = tmp_path / "records.jsonl"
     script = (
         "import os, sys\n"
-        "from experiments.schema import SampleRecord, append_record\n"
+        "from experiments.bench.schema import SampleRecord, append_record\n"
         "for i in range(10**6):\n"
         "    append_record(sys.argv[1], SampleRecord(dataset='gsm8k', sample_id=str(i), turn=0, method='ar',\n"
         "        budget=None, policy='ar', temperature=0.0, num_input_tokens=5, num_new_tokens=8, prefill_s=0.0,\n"
@@ -177,13 +177,13 @@ def test_labels_and_colors_cover_every_method():
 
 
 def test_colors_live_in_plots_not_in_the_schema():
-    import experiments.schema as schema
+    import experiments.bench.schema as schema
 
     assert not hasattr(schema, "METHOD_COLORS") and not hasattr(schema, "VARIANT_COLORS")
 
 
 def test_lookup_trees_have_their_own_resume_key_and_share():
-    from experiments.schema import lookup_share
+    from experiments.bench.schema import lookup_share
 
     plain = make_record(budget=16, policy="fixed")
     lookup = make_record(budget=16, policy="lookup", acceptance_lengths=[3, 1, 4], extra={"lookup_tokens": 2})
@@ -204,16 +204,16 @@ def test_chain_auto_is_dflash_and_old_records_are_read_as_such():
 
 
 def test_schema_imports_neither_torch_nor_numpy():
-    code = "import sys, experiments.schema; print('torch' in sys.modules, 'numpy' in sys.modules)"
+    code = "import sys, experiments.bench.schema; print('torch' in sys.modules, 'numpy' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
 
 
 def test_the_torch_free_schema_names_the_library_s_tree_kinds_and_budget_words():
-    """``experiments.schema`` must stay importable without torch (plots read it), so it spells the tree kinds out;
+    """``experiments.bench.schema`` must stay importable without torch (plots read it), so it spells the tree kinds out;
     this keeps that copy equal to the library's."""
     from ddtree.generate import BUDGET_WORDS, TREE_KINDS
-    from experiments.presets import BUDGET_POLICIES
-    from experiments.schema import TREE_KINDS as SCHEMA_TREE_KINDS
+    from experiments.bench.presets import BUDGET_POLICIES
+    from experiments.bench.schema import TREE_KINDS as SCHEMA_TREE_KINDS
 
     assert SCHEMA_TREE_KINDS == TREE_KINDS and set(BUDGET_POLICIES) < set(BUDGET_WORDS)

@@ -1,4 +1,4 @@
-"""The benchmark's self-sizing (experiments.sizing): what a turn costs, the rule that leaves work out, and whether
+"""The benchmark's self-sizing (experiments.bench.sizing): what a turn costs, the rule that leaves work out, and whether
 the default preset fits its budget on the slowest 2-core bf16 CPU measured. The first tests import nothing heavy:
 units, conversations and variants are plain namespaces."""
 
@@ -9,11 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from experiments.sizing import TurnCosts, Unit, size_run
+from experiments.bench.sizing import TurnCosts, Unit, size_run
 
 
 @dataclass(frozen=True)
-class _V:  # what the sizing reads of a variant (experiments.variants.Variant imports torch)
+class _V:  # what the sizing reads of a variant (experiments.bench.variants.Variant imports torch)
     method: str
     budget: int | str | None
     policy: str
@@ -90,8 +90,8 @@ def test_default_preset_fits_a_slow_two_core_cpu_with_six_prompts_and_every_live
     """The preset's numbers against the sizing rule: on the slowest CPU measured, and on one 20% slower still, the
     default grid keeps six prompts per dataset and all seven live variants within its budget (second turns only
     where time is left), and the same grid at 96 tokens would not (why the preset decodes 48)."""
-    from experiments.presets import DEFAULT, with_overrides
-    from experiments.variants import make_variants
+    from experiments.bench.presets import DEFAULT, with_overrides
+    from experiments.bench.variants import make_variants
 
     variants = make_variants(DEFAULT)
     assert [v.label for v in variants] == ["AR", "DFlash", "DDTree (B=8)", "DDTree (B=16)", "DDTree (auto)", "PLD",

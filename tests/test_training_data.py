@@ -291,7 +291,7 @@ def test_corpus_rebuilds_prompts_with_each_shards_generation_seed(tmp_path):
     shard's manifest records (a seed-1 fit once dropped 43% of a seed-0 corpus this way)."""
     from dflash_core.training.corpus import load_corpus
     from dflash_core.training.prompts import build_prompts
-    from experiments.models import ByteTokenizer
+    from experiments.bench.models import ByteTokenizer
 
     tok = ByteTokenizer()
     pool0 = {p.prompt_id: p for p in build_prompts(0)}
@@ -313,7 +313,7 @@ def test_load_training_data_holds_out_prompts_spread_over_sources(tmp_path):
     distinct sources while there are sources left; their prompt and response are the shards' own."""
     from dflash_core.training.fit import load_training_data
     from dflash_core.training.prompts import build_prompts
-    from experiments.models import ByteTokenizer
+    from experiments.bench.models import ByteTokenizer
 
     tok = ByteTokenizer()
     by_source: dict[str, list] = {}

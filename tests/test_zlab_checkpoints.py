@@ -70,7 +70,7 @@ def test_transformers5_rope_parameters_carry_theta():
                                          rope_parameters={"rope_theta": 500000.0, "rope_type": "default"}))
     assert cfg.rope_theta == 500000.0 and cfg.rope_scaling is None
     # a random drafter for a transformers-5 target (its config has rope_parameters, no rope_theta) follows it
-    from experiments.models import random_draft
+    from experiments.bench.models import random_draft
 
     target = make_target("qwen3", vocab=64)
     target.config.rope_parameters = {"rope_theta": 123456.0, "rope_type": "default"}

@@ -16,5 +16,5 @@
 * :mod:`.fit`      -- ``python -m dflash_core.training.fit``: train on accumulated shards (``--preset qwen3``: the
   published hyper-parameters for GPUs);
 * :mod:`.recipe`   -- ``python -m dflash_core.training.recipe``: datagen then fit, resumable;
-* :mod:`.stream`   -- the teacher-forced training stream (``python -m experiments.drafter_stream``).
+* :mod:`.stream`   -- the teacher-forced training stream (``python -m experiments.studies.drafter_stream``).
 """

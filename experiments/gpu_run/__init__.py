@@ -1,9 +1,0 @@
-"""The prepared GPU run (``python -m experiments.gpu_run --out DIR``): see :mod:`experiments.gpu_run.runner`.
-
-``runner`` launches the steps one process each and writes their results; ``steps`` holds what each step measures;
-``summary`` turns the result files into the one-screen summary.
-"""
-
-from experiments.gpu_run.runner import STEPS, main
-
-__all__ = ["STEPS", "main"]

@@ -1,5 +1,0 @@
-import sys
-
-from experiments.gpu_run.runner import main
-
-sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from experiments.studies.gpu_run.runner import main
+
+sys.exit(main())
