@@ -64,6 +64,32 @@ def reference_continuations(target, prompts, max_new_tokens: int, stops, path: P
     return refs
 
 
+SPEC_WORDS = ("chain", "auto", "chain-auto")
+
+
+def parse_spec(text: str):
+    """One ``--budgets`` item: ``chain``, ``auto``, ``chain-auto``, a node budget, or any of them after ``lookup-``
+    (DDTree with prompt-lookup branches)."""
+    body = text.removeprefix("lookup-")
+    if body not in SPEC_WORDS and not body.isdigit():
+        raise SystemExit(f"--budgets: {text!r} is not chain, auto, chain-auto or a node budget (optionally after "
+                         "'lookup-')")
+    return int(text) if text.isdigit() else text
+
+
+def _spec_policy(spec, target, draft):
+    """The policy replay runs for one ``--budgets`` item."""
+    from ddtree.generate import make_policy
+
+    text = str(spec)
+    if not text.startswith("lookup-"):
+        return make_policy(spec, target, draft)
+    from ddtree import LookupTreePolicy
+
+    body = parse_spec(text.removeprefix("lookup-"))
+    return LookupTreePolicy(make_policy(body, target, draft) if body == "auto" else body)
+
+
 def replay_rows(target, labels, drafts, budgets, prompts, refs, max_new_tokens: int, stops, t0: float,
                 quiet: bool = False) -> list[dict]:
     """Rows like the decode loop's (rounds and tokens per prompt, drafter and budget) from offline replay."""
@@ -74,8 +100,8 @@ def replay_rows(target, labels, drafts, budgets, prompts, refs, max_new_tokens: 
     for group, name, sid, ids in prompts:
         full = torch.tensor(ids + refs[f"{name}/{sid}"])
         for label, draft in zip(labels, drafts):
-            got = replay_policies(target, draft, {str(b): make_policy(b) for b in budgets}, full, len(ids),
-                                  max_new_tokens, stops)
+            policies = {str(b): _spec_policy(b, target, draft) for b in budgets}
+            got = replay_policies(target, draft, policies, full, len(ids), max_new_tokens, stops)
             for budget in budgets:
                 res = got[str(budget)]
                 rows.append({"group": group, "dataset": name, "sample_id": sid, "draft": label, "budget": budget,
@@ -92,7 +118,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--label", action="append", help="a name per --draft (default: the folder)")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: the machine's (bf16 if native)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--budgets", default="chain,32", help="comma-separated: chain and/or node budgets")
+    p.add_argument("--budgets", default="chain,32", help="comma-separated: chain, auto, chain-auto, node budgets; "
+                   "'lookup-auto' or 'lookup-32' add prompt-lookup branches")
     p.add_argument("--limit", type=int, default=None, help="only the first N prompts (smoke runs)")
     p.add_argument("--check-ar", action="store_true")
     p.add_argument("--cast-inv-freq", action="store_true",
@@ -169,7 +196,8 @@ def _decode_rows(target, labels, drafts, budgets, prompts, max_new_tokens: int, 
             ref = autoregressive_generate(target, x, max_new_tokens, stop_token_ids=stops).new_token_ids
         for label, draft in zip(labels, drafts):
             for budget in budgets:
-                res = ddtree_generate(target, draft, x, budget=budget, max_new_tokens=max_new_tokens,
+                res = ddtree_generate(target, draft, x, budget=parse_spec(str(budget).removeprefix("lookup-")),
+                                      lookup=str(budget).startswith("lookup-"), max_new_tokens=max_new_tokens,
                                       stop_token_ids=stops)
                 rows.append({"group": group, "dataset": name, "sample_id": sid, "draft": label, "budget": budget,
                              "rounds": len(res.acceptance_lengths), "tokens": sum(res.acceptance_lengths),
@@ -231,7 +259,7 @@ def main(argv=None) -> None:
     if a.bigram is not None:
         labels.append(f"{labels[0]}+bigram{a.bigram:g}")
         drafts.append(_bigram_drafter(a, dtype, tokenizer))
-    budgets = [b if b == "chain" else int(b) for b in a.budgets.split(",")]
+    budgets = [parse_spec(b) for b in a.budgets.split(",")]
     prompts = protocol_prompts(tokenizer)[: a.limit]
     t0 = time.perf_counter()
     if a.replay:
