@@ -17,9 +17,9 @@ The a_i are the drafter's path probabilities calibrated online against what the 
 ``depth``: one factor per depth; ``edge``: a reliability curve of the drafter's conditional probabilities, one
 Bernoulli trial per edge whose parent was accepted, multiplied along each path; ``power``: p ** beta; ``bucket``: a
 reliability histogram over log p; ``none``: the drafter's own numbers), see :func:`calibrated_probs`.
-``python -m experiments.studies.auto_budget_study`` compares rules, calibrations and fixed budgets by offline replay under
-several cost curves; ``python -m experiments.studies.auto_oracle_study`` judges them against the per-dataset oracle as the
-benchmark does. Neither the rule, the calibration nor the
+``python -m experiments.studies.auto_budget_study`` compares rules, calibrations and fixed budgets by offline replay
+under several cost curves; ``python -m experiments.studies.auto_oracle_study`` judges them against the per-dataset
+oracle as the benchmark does. Neither the rule, the calibration nor the
 cost curve ever changes the output, only the tree size.
 
 What a policy learns, and how to make runs reproducible. :meth:`AutoBudget.for_models` (what ``budget="auto"``
@@ -268,9 +268,10 @@ class AutoBudget(BlockPolicy):
                    rule: str = "marginal", chain: bool = False, temperature: float = 0.0,
                    share_memory: bool = True, window: int = 256, online: bool = True) -> "AutoBudget":
         """The policy with the cost curve of ``target`` + ``draft`` on this machine: ``cost`` if given, else the
-        curve of a GPU ``profile`` (``experiments.studies.gpu_check``), else the cached curve of ``context_bucket(context)``
-        tokens (``context``: the prompt length; default 256) -- derived from the buckets :func:`ddtree.cost.calibrate`
-        measured when that one is not cached, measured now (``calibration_s``, logged) when none is.
+        curve of a GPU ``profile`` (``experiments.studies.gpu_check``), else the cached curve of
+        ``context_bucket(context)`` tokens (``context``: the prompt length; default 256) -- derived from the buckets
+        :func:`ddtree.cost.calibrate` measured when that one is not cached, measured now (``calibration_s``, logged)
+        when none is.
         ``online``: correct the curve from the policy's own round timings. ``share_memory``: continue the round
         memory (same models, machine, ``temperature``, cap, rule and kind) and the online curve (same models,
         measured curve, cap and kind) of earlier generations in this process; False for reproducible tree sizes

@@ -136,8 +136,8 @@ class CostModel:
     @classmethod
     def from_profile(cls, profile: str | Path | dict, model: str | None = None,
                      context: int | None = None) -> "CostModel":
-        """The curve of ``model`` (default: the profile's first) from a ``experiments.studies.gpu_check`` profile, at the
-        measured context length nearest to ``context`` (by ratio; default: the longest measured)."""
+        """The curve of ``model`` (default: the profile's first) from a ``experiments.studies.gpu_check`` profile, at
+        the measured context length nearest to ``context`` (by ratio; default: the longest measured)."""
         raw = json.loads(Path(profile).read_text()) if not isinstance(profile, dict) else profile
         models = raw.get("models") or {}
         if not models:
@@ -212,8 +212,9 @@ def measure_cost_model(target, draft, grid: Sequence[int] | None = None, context
     ``verify_s(N)``: compiling root + N nodes (ids, positions, ancestor mask), the target forward over them with the
     drafter's taps, the walk, compacting the cache to an accepted path and gathering the next context features.
     ``fixed_s``: the drafter pass with its LM head and the best-first tree at ``cap`` nodes, the size ``auto`` really
-    builds (:func:`ddtree.candidates.cap_tree`, the same function the policy calls). ``chain=True``: the N nodes are a chain, verified without a
-    mask, and the policy is ``chain-auto``'s. ``grid``: the sizes N (default :func:`default_grid`).
+    builds (:func:`ddtree.candidates.cap_tree`, the same function the policy calls). ``chain=True``: the N nodes are a
+    chain, verified without a mask, and the policy is ``chain-auto``'s. ``grid``: the sizes N (default
+    :func:`default_grid`).
 
     Cached per machine, models, dtype, kernels, kind, ``context`` and ``cap`` under ``$XDG_CACHE_HOME/ddtree/costs``
     (``use_cache=False``: always measure, write nothing). ``extrapolate=True``: a context nobody measured is derived

@@ -4,8 +4,8 @@ Each round two sources propose token paths below the root:
 
 * the drafter: every prefix ``u`` with its path probability ``q(u)`` under the factorized draft distribution (what
   :func:`ddtree.build_tree` ranks);
-* the context (:class:`dflash_core.lookup.NgramIndex`): the continuation ``c_1 .. c_m`` of the longest earlier match
-  of the committed suffix, of match length ``n``; its node at depth ``k`` gets the estimate ``a_n(k)``, the
+* the context (:class:`dflash_core.prompt_lookup.NgramIndex`): the continuation ``c_1 .. c_m`` of the longest earlier
+  match of the committed suffix, of match length ``n``; its node at depth ``k`` gets the estimate ``a_n(k)``, the
   probability that the target accepts the continuation through depth ``k``, learned online: ``a_n(k) =
   prod_{j <= k} p_n(j)`` with ``p_n(j)`` the share of rounds (match length ``n``) whose walk, having accepted the
   continuation through depth ``j - 1``, also accepted depth ``j`` (a Beta(1, 1) prior per cell).
@@ -30,7 +30,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from dflash_core.lookup import NgramIndex
+from dflash_core.prompt_lookup import NgramIndex
 from dflash_core.policy import BlockPolicy, DraftBlock, as_block
 from dflash_core.tree import ROOT, DraftTree
 

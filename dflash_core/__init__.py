@@ -12,7 +12,7 @@ from .decoding import (
     dflash_generate,
     speculative_generate,
 )
-from .lookup import lookup_generate
+from .prompt_lookup import lookup_generate
 from .model import DFlashDraftModel, load_draft
 from .policy import BlockPolicy, DraftBlock
 from .target import IncompatibleModelError, check_compatibility

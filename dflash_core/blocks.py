@@ -1,5 +1,5 @@
 """The block a drafter drafts, laid out for one batched forward over many blocks: used by offline replay (inference)
-and by training (:mod:`dflash_core.training.blocks`), so it lives in the core.
+and by training (:mod:`dflash_core.training.loss`), so it lives in the core.
 
 An anchor opens a block ``[token at anchor, MASK x (b-1)]``; the attention mask lets each block see the context
 features strictly before its anchor plus its own block (bidirectionally), exactly what the drafter sees when it drafts

@@ -110,7 +110,8 @@ class Stats:
         return is_sampled_tree(self.method, self.budget, self.tree)
 
 
-_variant_sort_key = variant_sort_key  # the display order lives in experiments.bench.schema (the runner's summary uses it)
+# the display order lives in experiments.bench.schema (the runner's summary uses it)
+_variant_sort_key = variant_sort_key
 
 
 def _quartiles(values: list[float]) -> tuple[float, float, float] | tuple[None, None, None]:

@@ -2,10 +2,10 @@
 
     python -m plots.scaling --log dflash_core/zoo/smollm2-135m-dflash/training_log.json --out scaling.png
 
-The log (``training_log.json`` next to the shipped drafter, extended by ``python -m experiments.studies.drafter_stream``)
-holds ``curve``: fixed-protocol evaluations with the cumulative response tokens the drafter had trained on.
-The projection fits tau = a + b * log10(tokens) to the points and solves for a goal; it says how many tokens the trend
-needs, not that the trend holds.
+The log (``training_log.json`` next to the shipped drafter, extended by ``python -m
+experiments.studies.drafter_stream``) holds ``curve``: fixed-protocol evaluations with the cumulative response tokens
+the drafter had trained on. The projection fits tau = a + b * log10(tokens) to the points and solves for a goal; it says
+how many tokens the trend needs, not that the trend holds.
 """
 
 from __future__ import annotations

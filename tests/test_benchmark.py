@@ -66,7 +66,6 @@ def test_presets_are_valid_and_match_the_issue():
     # replayed: every budget 2..64, auto, the chain, PLD and the lookup trees
     assert {2, 4, 8, 16, 32, 64, "auto", "chain"} <= set(default.replay_budgets)
     assert set(default.replay_lookup_budgets) == {16, "auto"}
-    assert {"auto", "chain-auto"} <= set(default.optional_budgets)
     assert default.models[0].target == "default" and default.models[0].draft == "default"
     assert len(quick.datasets) * quick.max_samples <= 2 and quick.max_new_tokens <= 64 and quick.budgets == (16,)
     paper_datasets = set(paper.datasets) | set(getattr(paper, "hub_datasets", ()))  # hub-only ones: when asked
@@ -78,7 +77,7 @@ def test_presets_are_valid_and_match_the_issue():
 
 def test_overrides_validate_and_normalize():
     p = with_overrides(TINY, datasets=("MT_Bench",), budgets=(2, "auto"), max_samples=1, draft="random")
-    assert p.datasets == ("mt-bench",) and p.budgets == (2, "auto") and p.optional_budgets == ()
+    assert p.datasets == ("mt-bench",) and p.budgets == (2, "auto")
     for bad in (dict(datasets=("nope",)), dict(methods=("medusa",)), dict(budgets=(-1,)), dict(dtype="int8"),
                 dict(temperatures=(-0.5,))):
         with pytest.raises(ValueError):

@@ -70,7 +70,8 @@ def test_auto_is_cuda_when_available_and_cuda_without_it_is_a_clear_error(monkey
 
 
 @pytest.mark.parametrize("module", ["experiments.studies.profile_round", "experiments.studies.auto_budget_study",
-                                    "experiments.studies.pld_compare", "experiments.studies.gpu_check", "experiments.studies.gpu_run"])
+                                    "experiments.studies.pld_compare", "experiments.studies.gpu_check",
+                                    "experiments.studies.gpu_run"])
 def test_every_tool_takes_a_device_defaulting_to_auto(module, capsys):
     """No tool runs on the CPU of a GPU box unasked: each has --device, and it defaults to auto."""
     import importlib

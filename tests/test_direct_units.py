@@ -12,7 +12,7 @@ from conftest import make_draft, make_target, prompt
 from dflash_core import IncompatibleModelError
 from dflash_core.target import check_tree_attention
 from dflash_core.timing import cache_path, cached_json, machine_key, read_cached_json, write_cached_json
-from dflash_core.training.config import TrainConfig
+from dflash_core.training.train_config import TrainConfig
 from dflash_core.training.loop import _lr_factor, optimizer_step
 from dflash_core.training.loss import draft_loss, target_features
 from dflash_core.training.shards import target_fingerprint
@@ -97,7 +97,7 @@ def test_timing_cache_helpers_round_trip_and_recover_from_damage(tmp_path, monke
 
 
 def test_teacher_forced_ceiling_is_tokens_over_the_median_forward_time(monkeypatch):
-    from dflash_core.training import generate
+    from dflash_core.training import responses as generate
 
     ticks = iter([0.0, 0.5, 10.0, 10.25, 20.0, 21.0])  # three timed forwards: 0.5 s, 0.25 s, 1.0 s
     monkeypatch.setattr(generate.time, "perf_counter", lambda: next(ticks))

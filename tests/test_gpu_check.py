@@ -1,4 +1,5 @@
-"""The GPU check (experiments/studies/gpu_check.py) runs with only what a bare GPU image has: torch, transformers, numpy."""
+"""The GPU check (experiments/studies/gpu_check.py) runs with only what a bare GPU image has: torch, transformers,
+numpy."""
 
 import subprocess
 import sys

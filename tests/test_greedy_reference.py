@@ -14,7 +14,7 @@ from ddtree import ddtree_generate, make_policy
 from ddtree.cost import CostModel
 from ddtree.lookup import LookupTreePolicy
 from dflash_core import autoregressive_generate, dflash_generate, speculative_generate
-from dflash_core.lookup import lookup_generate
+from dflash_core.prompt_lookup import lookup_generate
 from dflash_core.replay import replay
 from greedy_reference import greedy_reference
 from test_ddtree_generate import OracleTree

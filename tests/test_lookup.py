@@ -10,7 +10,7 @@ import torch
 
 from conftest import make_target, prompt
 from dflash_core import autoregressive_generate, lookup_generate
-from dflash_core.lookup import NgramIndex, PromptLookup
+from dflash_core.prompt_lookup import NgramIndex, PromptLookup
 
 
 def _brute_force(tokens: list[int], max_ngram: int, num_tokens: int, first: bool = False) -> tuple[int, list[int]]:

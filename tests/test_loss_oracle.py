@@ -12,7 +12,7 @@ import torch
 
 import dflash_core.training.loss as loss_module
 from conftest import make_draft, make_target, prompt
-from dflash_core.training.config import TrainConfig
+from dflash_core.training.train_config import TrainConfig
 from dflash_core.training.loss import draft_loss, target_features
 from greedy_reference import greedy_reference
 

@@ -191,7 +191,7 @@ def test_saved_markov_drafter_reloads_and_plain_checkpoints_stay_headless(tmp_pa
 
 
 def test_training_bias_uses_the_targets_previous_tokens():
-    from dflash_core.training.config import TrainConfig
+    from dflash_core.training.train_config import TrainConfig
     from dflash_core.training.loss import _markov_bias
 
     target, draft = _markov_pair(torch.float32)

@@ -7,8 +7,8 @@ import torch
 
 from conftest import make_draft, make_target
 from dflash_core.markov import attach_markov_head
-from dflash_core.training.blocks import sample_anchors
-from dflash_core.training.config import TrainConfig
+from dflash_core.training.anchors import sample_anchors
+from dflash_core.training.train_config import TrainConfig
 from dflash_core.training.loss import draft_loss, target_features
 from dflash_core.training.markov_fit import _block_batch, batch_features, block_spans, collect_positions, head_loss
 

@@ -182,7 +182,8 @@ def test_adapter_causal_mask_reproduces_plain_forward():
 
 def reference_forward(draft: DFlashDraftModel, block: torch.Tensor, context: torch.Tensor,
                       block_pos: torch.Tensor, context_pos: torch.Tensor) -> torch.Tensor:
-    """FACTS §1 written out naively (per head, float64): an independent oracle for the drafter's forward."""
+    """The DFlash drafter's attention written out naively (per head, float64; queries are the block, keys and values the
+    context features then the block): an independent oracle for the drafter's forward."""
     cfg = draft.config
     w = {k: v.double() for k, v in draft.state_dict().items()}
     eps, hd = cfg.rms_norm_eps, cfg.head_dim

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dflash_core.training.config import TrainConfig
+from dflash_core.training.train_config import TrainConfig
 from dflash_core.training.objective import objective_weights
 
 

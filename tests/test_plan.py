@@ -1,6 +1,6 @@
 """The dry run (experiments.bench.plan, ``run_benchmark.sh --dry-run``), the paper preset's sizing and datasets, and
-where a pair's weights come from (experiments.bench.models: local folders, the hub cache, the disk check, chat settings).
-Everything offline on the CPU: no model is downloaded, the paper's models are never loaded."""
+where a pair's weights come from (experiments.bench.models: local folders, the hub cache, the disk check, chat
+settings). Everything offline on the CPU: no model is downloaded, the paper's models are never loaded."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import make_draft, make_target
-from dflash_core.training.config import TrainConfig
+from dflash_core.training.train_config import TrainConfig
 from dflash_core.training.loss import SequenceFeatures, sequence_loss, target_features
 from dflash_core.training.stream import Cursor, SequenceStream, stream_train, teacher_forced_batch
 from dflash_core.training.textcorpus import (
@@ -78,7 +78,8 @@ def test_dense_soft_loss_equals_brute_force_cross_entropy():
     anchors = torch.tensor([3, 8, 15, 18])
     got, stats = _loss(draft, target, ids, feats, anchors)
     # brute force: the drafter's states per block, its softmax over the draft vocabulary, the soft label per row
-    from dflash_core.training.blocks import block_attention_mask, block_inputs, position_weights
+    from dflash_core.blocks import block_attention_mask, block_inputs
+    from dflash_core.training.anchors import position_weights
 
     b = draft.block_size
     tokens, positions, labels = block_inputs(ids, anchors, b, draft.mask_token_id)

@@ -10,8 +10,9 @@ import torch
 
 from conftest import make_draft, make_target
 from dflash_core import autoregressive_generate, dflash_generate, load_draft
-from dflash_core.training.blocks import block_attention_mask, block_inputs, position_weights, sample_anchors
-from dflash_core.training.config import TrainConfig
+from dflash_core.blocks import block_attention_mask, block_inputs
+from dflash_core.training.anchors import position_weights, sample_anchors
+from dflash_core.training.train_config import TrainConfig
 from dflash_core.training.loop import train
 from dflash_core.training.loss import draft_loss, sequence_loss, target_features
 
@@ -242,7 +243,7 @@ def test_the_generation_kv_buffer_is_sized_once_for_the_longest_sequence():
     capacity (or past it) it still grows, and either way it returns what DynamicCache returns."""
     from transformers import DynamicCache
 
-    from dflash_core.training.generate import GrowingCache
+    from dflash_core.training.responses import GrowingCache
 
     g = torch.Generator().manual_seed(0)
     steps = [torch.randn(2, 2, n, 4, generator=g) for n in (5, 1, 1, 1)]  # a prefill of 5, then 3 tokens

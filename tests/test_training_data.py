@@ -10,10 +10,10 @@ import torch
 
 from conftest import make_draft, make_target, prompt
 from dflash_core import autoregressive_generate, dflash_generate, load_draft
-from dflash_core.training.config import TrainConfig
+from dflash_core.training.train_config import TrainConfig
 from dflash_core.training.loss import sequence_loss, target_features
 from dflash_core.training.corpus import build_draft_vocab, vocab_coverage
-from dflash_core.training.generate import fast_decoding, generate_batch, sample_next
+from dflash_core.training.responses import fast_decoding, generate_batch, sample_next
 from dflash_core.training.shards import (
     ShardSample, done_prompt_keys, list_shards, read_shard_features, read_shard_tokens, write_shard,
 )
@@ -171,7 +171,8 @@ def test_draft_vocab_loss_is_the_exact_softmax_over_the_subset():
     cfg = TrainConfig(loss_vocab="draft", distill_weight=0.0, autocast=False)
     loss, stats = sequence_loss(draft, target.model.embed_tokens, target.lm_head.weight, seq, feats, anchors, cfg)
     # reference: full drafter forward, log-softmax over the subset's logits, labels outside the subset ignored
-    from dflash_core.training.blocks import block_attention_mask, block_inputs, position_weights
+    from dflash_core.blocks import block_attention_mask, block_inputs
+    from dflash_core.training.anchors import position_weights
 
     b = draft.block_size
     tokens, positions, labels = block_inputs(seq, anchors, b, draft.mask_token_id)

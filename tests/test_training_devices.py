@@ -35,7 +35,7 @@ def test_distributed_init_sets_the_rank_gpu_first_and_carries_both_backends(monk
 
 
 def test_block_attention_mask_is_built_on_the_requested_device():
-    from dflash_core.training.blocks import block_attention_mask
+    from dflash_core.blocks import block_attention_mask
 
     anchors = torch.tensor([2, 5, 9])
     on_meta = block_attention_mask(anchors, 4, 9, device="meta")
@@ -64,7 +64,7 @@ class _HeadCopies(torch.utils._python_dispatch.TorchDispatchMode):
 @pytest.mark.parametrize("autocast", [True, False])
 def test_the_loss_never_copies_the_lm_head(autocast):
     """A bf16 target under an fp32 drafter: the head (V x H) must not be cast or copied per sequence."""
-    from dflash_core.training.config import TrainConfig
+    from dflash_core.training.train_config import TrainConfig
     from dflash_core.training.loss import sequence_loss, target_features
 
     target = make_target("llama", vocab=96, hidden=32, dtype=torch.bfloat16)
@@ -119,7 +119,7 @@ def test_step_memory_formula_matches_a_cpu_measurement():
 def test_block_inputs_follow_the_anchors_device():
     """Replay and training on CUDA build blocks from anchors on the GPU: every tensor block_inputs makes must follow
     the anchors' device (the meta device stands in for CUDA: mixing it with a CPU tensor raises the same way)."""
-    from dflash_core.training.blocks import block_attention_mask, block_inputs
+    from dflash_core.blocks import block_attention_mask, block_inputs
 
     ids = torch.arange(30, device="meta")
     anchors = torch.tensor([3, 7, 20], device="meta")

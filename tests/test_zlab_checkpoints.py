@@ -115,7 +115,7 @@ def test_scaled_rope_matches_transformers(kind, params, theta):
 def test_drafter_rotary_equals_a_llama31_targets_rotary():
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from dflash_core.training.config import DraftSpec, make_draft_config
+    from dflash_core.training.train_config import DraftSpec, make_draft_config
 
     config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=131072,

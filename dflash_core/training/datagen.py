@@ -1,7 +1,7 @@
 """Generate (more) training data: ``python -m dflash_core.training.datagen --out runs/data --minutes 60``.
 
 The target answers every training prompt (:func:`dflash_core.training.prompts.build_prompts`) with
-:func:`dflash_core.training.generate.generate_batch`; each batch becomes one shard (:mod:`.shards`). Prompts already
+:func:`dflash_core.training.responses.generate_batch`; each batch becomes one shard (:mod:`.shards`). Prompts already
 answered in ``--out`` are skipped, so reruns extend the corpus. ``--passes 2`` answers every prompt a second time,
 sampled with another seed (``#p1`` keys), which adds data once the prompts run out.
 
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..timing import cpu_model
-from .generate import fast_decoding, generate_batch, teacher_forced_ceiling
+from .responses import fast_decoding, generate_batch, teacher_forced_ceiling
 from .shards import ShardSample, done_prompt_keys, target_fingerprint, write_shard
 
 __all__ = ["main", "prompt_plan"]
@@ -91,7 +91,7 @@ def _worker(index: int, a: argparse.Namespace) -> None:
                 samples = [ShardSample(key, item.source, "sampled" if sampled else "greedy", len(ids), r.response_ids)
                            for (key, item, _, ids), r in zip(batch, res)]
                 manifest = {
-                    "target": fingerprint, "generator": "dflash_core.training.generate.generate_batch",
+                    "target": fingerprint, "generator": "dflash_core.training.responses.generate_batch",
                     "taps": layer_ids, "max_new_tokens": a.max_new_tokens, "temperature": temperature,
                     "top_p": a.top_p if sampled else 1.0, "topk": a.topk, "seed": a.seed, "pass": batch[0][2],
                     "batch_size": len(batch), "dtype": a.dtype, "threads": a.threads, "workers": a.workers,

@@ -7,12 +7,9 @@ fp32) for a fraction of the cost, so a run can evaluate often and on more prompt
 
 from __future__ import annotations
 
-import time
-from typing import Callable, Sequence
-
 import torch
 
-__all__ = ["tau_evaluator", "replay_evaluator", "benchmark_tau"]
+__all__ = ["tau_evaluator", "replay_evaluator"]
 
 
 def tau_evaluator(target, tokenizer, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int]):
@@ -50,30 +47,3 @@ def replay_evaluator(target, prompts: list[list[int]], max_new_tokens: int, stop
         return {"tau": sum(lengths) / max(1, len(lengths))}
 
     return evaluate
-
-
-def benchmark_tau(target, draft, tokenizer, stop_ids: list[int], datasets: Sequence[str], per_dataset: int,
-                  max_new_tokens: int, log: Callable[[str], None] = print) -> dict:
-    """Greedy dflash_generate tau per dataset on the benchmark's own first items (select_items(name, n, seed=0))."""
-    from ..pools.catalog import build_chat, select_items
-    from ..pools.items import DatasetUnavailableError
-    from ..decoding import dflash_generate
-
-    results = {}
-    for name in datasets:
-        try:
-            items = select_items(name, per_dataset, seed=0)
-        except DatasetUnavailableError as err:
-            log(f"eval: {name} skipped ({err})")
-            continue
-        lengths, taus, t0 = [], [], time.perf_counter()
-        for item in items:
-            ids = build_chat(tokenizer, item.turns[:1])
-            res = dflash_generate(target, draft, torch.tensor([ids]), max_new_tokens=max_new_tokens,
-                                  stop_token_ids=stop_ids)
-            lengths += res.acceptance_lengths
-            taus.append(res.tau)
-        results[name] = {"tau": sum(lengths) / max(1, len(lengths)), "tau_per_prompt": taus, "prompts": len(items),
-                         "seconds": time.perf_counter() - t0}
-        log(f"eval: {name}: tau {results[name]['tau']:.3f} over {len(items)} prompts")
-    return results

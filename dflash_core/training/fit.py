@@ -22,7 +22,7 @@ import torch
 from ..files import write_text_atomic
 from ..markov import MARKOV_KINDS, attach_markov_head
 from ..model import DFlashDraftModel, load_draft
-from .config import OBJECTIVES, DraftSpec, TrainConfig, make_draft_config
+from .train_config import OBJECTIVES, DraftSpec, TrainConfig, make_draft_config
 from .corpus import build_draft_vocab, load_corpus, vocab_coverage
 from .evaluate import replay_evaluator, tau_evaluator
 from .loop import export_drafter, init_distributed, load_checkpoint, setup_logging, train

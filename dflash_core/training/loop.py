@@ -29,8 +29,9 @@ import torch
 import torch.distributed as dist
 
 from ..model import DFlashDraftModel
-from .blocks import block_inputs, position_weights, sample_anchors
-from .config import TrainConfig
+from ..blocks import block_inputs
+from .anchors import position_weights, sample_anchors
+from .train_config import TrainConfig
 from .loss import SequenceFeatures, sequence_loss, target_features
 
 __all__ = ["TrainState", "load_checkpoint", "train", "make_optimizer", "optimizer_step", "batch_weight", "init_distributed", "setup_logging", "export_drafter"]

@@ -2,8 +2,8 @@
 
 :func:`target_features` runs the frozen target over a sequence (no grad) and keeps the tapped hidden states (the
 drafter's context) and the target's top-k next-token distributions (soft labels). :func:`sequence_loss` puts all
-blocks of the sequence (:mod:`.blocks`) through one drafter forward and mixes the hard-label cross-entropy with the
-distillation term.
+blocks of the sequence (:mod:`dflash_core.blocks`) through one drafter forward and mixes the hard-label cross-entropy
+with the distillation term.
 
 Restricted-vocabulary loss (``loss_vocab="batch"``): the frozen LM head over the full vocabulary dominates a CPU step.
 With it on, the softmax runs over the union of this step's labels, the target's top-k candidates at every predicted
@@ -22,8 +22,9 @@ import torch
 
 from ..markov import draft_index
 from ..target import tapped_forward
-from .blocks import block_attention_mask, block_inputs, position_weights
-from .config import TrainConfig
+from ..blocks import block_attention_mask, block_inputs
+from .anchors import position_weights
+from .train_config import TrainConfig
 from .objective import objective_weights
 
 __all__ = ["SequenceFeatures", "target_features", "sequence_loss", "draft_loss"]

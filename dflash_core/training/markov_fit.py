@@ -29,8 +29,8 @@ from ..files import write_text_atomic
 from ..markov import MARKOV_KINDS, attach_markov_head, draft_index
 from ..model import load_draft
 from ..target import tapped_forward
-from .blocks import position_weights, sample_anchors
-from .config import OBJECTIVES, TrainConfig
+from .anchors import position_weights, sample_anchors
+from .train_config import OBJECTIVES, TrainConfig
 from .objective import objective_weights
 from .loss import SequenceFeatures, _predicted_hidden
 

@@ -122,7 +122,7 @@ def small_pair(shape: StepShape, seed: int = 0):
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     from ..model import DFlashDraftModel
-    from .config import DraftSpec, make_draft_config
+    from .train_config import DraftSpec, make_draft_config
 
     config = Qwen3Config(vocab_size=shape.vocab_rows, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
                          num_hidden_layers=8, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def measure_small(shape: StepShape = SMALL_PRESET, seed: int = 0) -> tuple[int, int]:
     """(measured, formula) bytes of one sequence's forward and backward above resident, for ``shape`` on the CPU."""
-    from .config import TrainConfig
+    from .train_config import TrainConfig
 
     target, draft = small_pair(shape, seed)
     shape = StepShape(**{**shape.__dict__, "draft_params": sum(p.numel() for p in draft.parameters())})

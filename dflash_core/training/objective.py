@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import OBJECTIVES
+from .train_config import OBJECTIVES
 
 __all__ = ["objective_weights"]
 

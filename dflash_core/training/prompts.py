@@ -1,7 +1,7 @@
 """Training prompts for a DFlash drafter, from sources that are all legal to use and all offline.
 
 A drafter learns to predict what its *target* will say, so the responses to these prompts are the target's own
-(:mod:`.generate`, :mod:`.datagen`), never reference answers. Prompt sources:
+(:mod:`.responses`, :mod:`.datagen`), never reference answers. Prompt sources:
 
 * ``gsm8k`` / ``math500`` / ``humaneval``: :func:`dflash_core.pools.catalog.training_split`, i.e. pool items the
   benchmark can never select (the test suite checks the ids against

@@ -39,8 +39,8 @@ import torch
 from ..files import atomic_write
 from ..model import DFlashDraftModel
 from ..target import tapped_forward
-from .blocks import sample_anchors
-from .config import TrainConfig
+from .anchors import sample_anchors
+from .train_config import TrainConfig
 from .loop import _lr_factor, batch_weight, load_checkpoint, make_optimizer, optimizer_step
 from .loss import SequenceFeatures
 

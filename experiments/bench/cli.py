@@ -8,9 +8,9 @@ Each variant gets one untimed warm-up generation before anything is timed.
 
 A run folder (``--out``, default ``runs/<preset>``) holds ``records.jsonl`` (one SampleRecord per finished
 generation, appended and fsynced at once), per-rank ``records.rank<r>.jsonl`` while a torchrun run is in flight, and
-``manifest.json`` (:mod:`experiments.bench.run_folder`). Rerunning the same command skips every finished record. A preset
-with several model pairs (``paper``) writes one such folder per pair under ``--out``. A dataset that is unavailable
-here (e.g. a hub dataset offline) is left out with a note, unless it was named with ``--datasets``.
+``manifest.json`` (:mod:`experiments.bench.run_folder`). Rerunning the same command skips every finished record. A
+preset with several model pairs (``paper``) writes one such folder per pair under ``--out``. A dataset that is
+unavailable here (e.g. a hub dataset offline) is left out with a note, unless it was named with ``--datasets``.
 
 Multi-GPU: under ``torchrun --nproc_per_node=G`` the conversations are dealt round-robin to the ranks
 (:mod:`experiments.bench.ranks`); after a barrier rank 0 merges the ranks' records. The pieces: method variants

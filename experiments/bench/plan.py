@@ -1,6 +1,6 @@
 """The dry run: what ``python -m experiments.bench`` would run here, without loading a model or running anything.
 
-    python -m experiments.bench.plan --preset paper                  # also: bash run_benchmark.sh --preset paper --dry-run
+    python -m experiments.bench.plan --preset paper  # also: bash run_benchmark.sh --preset paper --dry-run
     python -m experiments.bench.plan --preset paper --hub-datasets   # with the hub-only datasets
     python -m experiments.bench.plan --preset default --json plan.json
 
@@ -18,12 +18,12 @@ It takes the benchmark's own flags (``--target``, ``--draft``, ``--datasets``, `
 - disk: what would be downloaded against the free disk of the hub cache (the check ``experiments.bench.models`` makes
   before loading: a pair that cannot fit is refused there);
 - time: the decoding time per pair from prior costs (below), sized by the runner's own rule
-  (``experiments.bench.sizing.size_run``) to the preset's budget, so the printed plan is the sized plan; plus loading and
-  warm-up, which the budget does not count.
+  (``experiments.bench.sizing.size_run``) to the preset's budget, so the printed plan is the sized plan; plus loading
+  and warm-up, which the budget does not count.
 
 Prior costs, not measurements: a target forward costs its per-layer launch overhead plus the larger of reading its
 weights and computing its tokens; a DFlash round adds the drafter and the tree; rounds commit tau tokens, with tau
-from the papers' published numbers (FACTS.md section 2) for the z-lab drafters, the model card's for the shipped
+from the papers' published numbers for the z-lab drafters, the model card's for the shipped
 one, and 1 for a random drafter. The real run measures seconds per token in its warm-up and sizes itself again
 from those, so what it keeps can differ from this plan. Exit status: 0 when the plan was printed (``--check``: 1
 when something listed under "blocked" would stop the run), 2 for bad arguments.

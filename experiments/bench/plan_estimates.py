@@ -1,5 +1,5 @@
-"""The dry run's estimates (:mod:`experiments.bench.plan`): prior machine constants, a pair's memory, the decoding seconds
-per token of a method variant, the longest generation's context, and the disk and GPU-memory checks of a pair.
+"""The dry run's estimates (:mod:`experiments.bench.plan`): prior machine constants, a pair's memory, the decoding
+seconds per token of a method variant, the longest generation's context, and the disk and GPU-memory checks of a pair.
 
 Prior costs, not measurements: a target forward costs its per-layer launch overhead plus the larger of reading its
 weights and computing its tokens; a DFlash round adds the drafter and the tree; rounds commit tau tokens (``_TAU``).
@@ -31,7 +31,7 @@ class Prior:
 PRIORS = {
     "cuda": Prior("an H200-class GPU (prior)", bandwidth=4.0e12, flops=4.0e14, layer_s=0.55e-3, moe_layer_s=1.2e-3,
                   tree_s_per_node=5e-6),
-    "cpu": Prior("a 2-core CPU (prior, FACTS.md section 3)", bandwidth=4.0e10, flops=5.0e11, layer_s=0.5e-3,
+    "cpu": Prior("a 2-core CPU (prior)", bandwidth=4.0e10, flops=5.0e11, layer_s=0.5e-3,
                  moe_layer_s=1.0e-3, tree_s_per_node=1e-5),
 }
 # Committed tokens per round (tau) by drafter kind and temperature: (chain, tree at B=16, tree at B=1024); trees in

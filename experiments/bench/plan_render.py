@@ -1,4 +1,5 @@
-"""The dry run's plan as text and as JSON (:mod:`experiments.bench.plan` builds the plan, this module only writes it)."""
+"""The dry run's plan as text and as JSON (:mod:`experiments.bench.plan` builds the plan, this module only writes
+it)."""
 
 from __future__ import annotations
 

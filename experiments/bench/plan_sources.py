@@ -1,5 +1,5 @@
-"""What the dry run (:mod:`experiments.bench.plan`) finds here without loading anything: the datasets of a preset (offline
-ones loaded from their installed packages, hub ones checked without contacting the hub) and the devices.
+"""What the dry run (:mod:`experiments.bench.plan`) finds here without loading anything: the datasets of a preset
+(offline ones loaded from their installed packages, hub ones checked without contacting the hub) and the devices.
 
 A hub dataset is checked on its own: the package its loader needs (``huggingface_hub`` for livecodebench's JSONL files,
 ``datasets`` for the others; see :mod:`dflash_core.pools.catalog`) and, when an offline switch is set, whether its

@@ -68,8 +68,8 @@ class ModelPair:
 
 @dataclass(frozen=True)
 class Preset:
-    """Everything a benchmark run measures. ``budgets`` are DDTree node budgets (ints) or policies (``"auto"``);
-    budgets listed in ``optional_budgets`` are dropped with a note when the installed ``ddtree`` lacks them.
+    """Everything a benchmark run measures. ``budgets`` are DDTree node budgets (ints) or policies (``"auto"``,
+    ``"chain-auto"``).
     ``trees``: DDTree tree kinds measured at every budget (``"sampled"`` at the int budgets only).
     ``samples_per_dataset`` overrides ``max_samples`` for single datasets; ``warmup_tokens`` is the length of the
     untimed warm-up generation each method variant gets before anything is timed. ``time_budget_s``: after the
@@ -93,7 +93,6 @@ class Preset:
     dtype: str = "auto"
     seed: int = 0
     samples_per_dataset: tuple[tuple[str, int], ...] = ()
-    optional_budgets: tuple[str, ...] = ()
     warmup_tokens: int = 16
     device: str = "auto"  # "auto" = CUDA when available, else CPU
     time_budget_s: float | None = None  # decoding time the run is sized to on the machine at hand (None: run all)
@@ -187,8 +186,8 @@ class Preset:
 _SMOLLM2 = ModelPair("default", "default", name="smollm2-135m")
 
 # Time budget on the slowest 2-core bf16 CPU seen (AMD EPYC Zen 4: plain decoding ~22 tokens/s, 45 ms a token; the
-# Intel AMX machine is twice as fast). Per first turn at 48 new tokens (experiments.bench.sizing counts every part): the 7
-# live variants decode 48 tokens at 1 + 0.52 (DFlash) + 0.45 (B=8) + 0.44 (B=16) + 0.45 (auto) + 0.59 (PLD) + 0.40
+# Intel AMX machine is twice as fast). Per first turn at 48 new tokens (experiments.bench.sizing counts every part): the
+# 7 live variants decode 48 tokens at 1 + 0.52 (DFlash) + 0.45 (B=8) + 0.44 (B=16) + 0.45 (auto) + 0.59 (PLD) + 0.40
 # (lookup-auto) = 3.85 plain-decoding equivalents (the cost curve's round over the replayed tau), 8.4 s; 7 prefills
 # ~1.4 s; 6 check forwards where an output left plain decoding's ~1.5 s; the replay of 11 policies ~1.8 s: ~13 s, so
 # 7 datasets x 6 prompts = 42 first turns are ~9.2 min of the 12-minute budget, and the second turns of MT-Bench and
@@ -216,7 +215,6 @@ DEFAULT = Preset(
     lookup_budgets=("auto",),
     full_budgets=(2, 4, 32, 64, "chain-auto"),
     full_lookup_budgets=(16,),
-    optional_budgets=("auto", "chain-auto"),
     replay_budgets=("chain", 2, 4, 8, 16, 32, 64, "auto"),
     replay_lookup_budgets=(16, "auto"),
     time_budget_s=720.0,  # 12 min of decoding and replay; with the cost curves, warm-up and figures: 15 min
@@ -263,7 +261,6 @@ PAPER = Preset(
     samples_per_dataset=(("aime24", 30), ("aime25", 30), ("humaneval", 164), ("mt-bench", 80)),
     max_new_tokens=2048,
     budgets=(16, 32, 64, 128, 256, 512, 1024, "auto"),
-    optional_budgets=("auto",),
     temperatures=(0.0, 1.0),
     dtype="bf16",
     warmup_tokens=32,
@@ -302,7 +299,6 @@ SAMPLING = Preset(
     warmup_tokens=32,
     max_new_tokens=48,
     budgets=(16, 32, "auto"),
-    optional_budgets=("auto",),
     trees=("topk", "sampled"),
     temperatures=(1.0,),
     replay_budgets=("chain", 2, 4, 8, 16, 32, 64, "auto"),
@@ -365,7 +361,6 @@ def with_overrides(preset: Preset, *, target: str | None = None, draft: str | No
     if full:
         if "budgets" not in changes:
             changes["budgets"] = tuple(dict.fromkeys(_by_size(preset.budgets + preset.full_budgets)))
-            changes["optional_budgets"] = preset.optional_budgets
         if "lookup_budgets" not in changes:
             changes["lookup_budgets"] = tuple(dict.fromkeys(_by_size(preset.lookup_budgets
                                                                      + preset.full_lookup_budgets)))
@@ -378,8 +373,6 @@ def with_overrides(preset: Preset, *, target: str | None = None, draft: str | No
             pair = dataclasses.replace(base, target=target if target is not None else base.target,
                                        draft=draft if draft is not None else base.draft)
         changes["models"] = (pair,)
-    if "budgets" in changes:
-        changes.setdefault("optional_budgets", ())
     if "datasets" in changes:
         if include_hub:
             raise ValueError("give either the datasets to run or include_hub (--hub-datasets), not both")

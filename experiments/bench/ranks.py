@@ -1,8 +1,8 @@
 """Torchrun ranks and devices: this process's place in a launch, the end-of-run barrier, its device and its name.
 
 Under ``torchrun --nproc_per_node=G`` the conversations are dealt round-robin to the ranks; each rank uses its own
-GPU (or, for a ``device_map="auto"`` target, its share of the GPUs, see ``experiments.bench.models.rank_gpus``) and writes
-its own records file (:meth:`RankInfo.records_path`). Nothing is collective but one barrier at the end of a pair.
+GPU (or, for a ``device_map="auto"`` target, its share of the GPUs, see ``experiments.bench.models.rank_gpus``) and
+writes its own records file (:meth:`RankInfo.records_path`). Nothing is collective but one barrier at the end of a pair.
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ def process_group(rank: RankInfo):
 
 
 def pick_device(name: str, rank: RankInfo) -> torch.device:
-    """This rank's device (made current on CUDA): the first GPU of its share, see ``experiments.bench.models.rank_gpus``."""
+    """This rank's device (made current on CUDA): the first GPU of its share, see
+    ``experiments.bench.models.rank_gpus``."""
     return _pick_device(name, rank.local_rank, rank.local_world or rank.world)
 
 

@@ -86,7 +86,7 @@ class Replayer:
         from ddtree.budget import AutoBudget, RoundMemory
         from ddtree.generate import make_policy
         from ddtree.lookup import LookupTreePolicy
-        from dflash_core.lookup import PromptLookup
+        from dflash_core.prompt_lookup import PromptLookup
 
         if variant.method == "pld":
             return PromptLookup()

@@ -5,7 +5,8 @@
     records.jsonl          one SampleRecord per finished (dataset, sample, turn, method variant, temperature)
     records.rank<r>.jsonl  per-rank records while a torchrun run is in flight (rank 0 merges them at the end)
     manifest.json          environment and resolved preset (experiments.bench.schema.Manifest), replaced atomically
-    replayed.jsonl         the rounds of every replayed policy on plain decoding's text, priced (experiments.bench.replayer)
+    replayed.jsonl         the rounds of every replayed policy on plain decoding's text, priced
+    (experiments.bench.replayer)
 
 Every record is appended and fsynced as soon as its generation ends (``experiments.bench.schema.append_record``), so an
 interrupted run loses at most the generation in flight; reopening the folder finds every finished record

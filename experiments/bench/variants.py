@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from experiments.bench.console import log
 from experiments.bench.presets import Preset
 from experiments.bench.schema import CUSTOM_POLICY, LOOKUP_POLICY, method_label, record_key, tree_kind
 
@@ -19,7 +18,7 @@ if TYPE_CHECKING:
 
     from experiments.bench.models import Models
 
-__all__ = ["Variant", "budget_supported", "make_variants", "policy_variant"]
+__all__ = ["Variant", "make_variants", "policy_variant"]
 
 
 def _int(budget) -> bool:
@@ -94,13 +93,6 @@ class Variant:
                                lookup=self.lookup, **args)
 
 
-def budget_supported(budget: int | str) -> bool:
-    """Integer budgets always are; a policy such as ``"auto"`` when the installed ddtree implements it."""
-    if _int(budget):
-        return True
-    return budget in ("auto", "chain-auto")
-
-
 def policy_variant(spec: str) -> Variant:
     """The variant of a user's policy class ``spec`` (``"module:Class"``), named by the policy's ``name``."""
     from experiments.bench.policies import policy_name
@@ -113,11 +105,7 @@ def _budget_variants(preset: Preset) -> list[Variant]:
     the sampled tree at int budgets only."""
     variants = []
     for budget in preset.budgets:
-        if not budget_supported(budget):
-            if budget not in preset.optional_budgets:
-                raise ValueError(f"DDTree budget {budget!r} is not supported by the installed ddtree")
-            log(f"note: DDTree budget {budget!r} is not supported by the installed ddtree; skipped")
-        elif budget == "chain-auto":
+        if budget == "chain-auto":
             variants.append(Variant("dflash", budget))  # the drafter's chain, with a chosen length
         else:
             variants += [Variant("ddtree", budget, tree) for tree in preset.trees if tree == "topk" or _int(budget)]

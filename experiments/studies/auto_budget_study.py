@@ -13,15 +13,16 @@ every round with a cost curve, so dozens of policies and curves are compared in 
   policy classes (``--policy module:Class``, built with no arguments, once per replayed prompt; see
   :mod:`experiments.bench.policies`), reported under their ``name``;
 * curves: this machine's measured one (``measure_cost_model``, this dtype), optionally fp32 on this machine
-  (``--fp32-curve``), the AMD EPYC fp32 costs measured when issue 11 was filed (its table; and the same with the
-  drafter's head scaled to today's 4,096-token draft vocabulary, derived), every GPU profile in
+  (``--fp32-curve``), the AMD EPYC fp32 costs measured on the 2-core machine this was developed on (and the same with
+  the drafter's head scaled to today's 4,096-token draft vocabulary, derived), every GPU profile in
   ``experiments/profiles/`` and, when there is none, a simulated H200-like curve.
 
 The projected rate of a policy is sum(committed tokens) / sum(curve's round seconds at the chosen sizes); rates are
 compared as ratios to the oracle (the comparison the benchmark makes on measured time). The choice of prompts
 (``--seed``, default 1) differs from the benchmark's (seed 0), so the policy is not tuned on what it is scored on.
 
-    python -m experiments.studies.auto_budget_study --out runs/auto-study [--samples 4 --temperatures 0,1] [--policy m:Cls]
+    python -m experiments.studies.auto_budget_study --out runs/auto-study [--samples 4 --temperatures 0,1] [--policy
+    m:Cls]
 """
 
 from __future__ import annotations
@@ -41,21 +42,21 @@ from experiments.bench.schema import write_json_atomic, write_text_atomic
 
 FIXED = (2, 4, 8, 16, 32, 64)
 
-# A GPU-like curve: memory-bound up to ~256 nodes (almost flat), compute-bound beyond (FACTS §2: the DDTree paper's
+# A GPU-like curve: memory-bound up to ~256 nodes (almost flat), compute-bound beyond (the DDTree paper's
 # best budgets on an H200 with an 8B target are 256-512 nodes). Seconds per round as a function of the tree size.
 H200_LIKE = CostModel(nodes=(0, 64, 256, 512, 1024), verify_s=(0.0200, 0.0205, 0.0225, 0.0300, 0.0480), fixed_s=0.004,
                       key="h200-like (simulated)")
 
-# Issue 11's table (2-core AMD EPYC, AVX2, fp32, MKL; the embedded default pair): a one-token target forward 80 ms;
+# Measured once on a 2-core AMD EPYC (AVX2, fp32, MKL; the embedded default pair): a one-token target forward 80 ms;
 # verifying 4, 8 and 16 tokens costs 1.95x, 2.1x and 2.5x of it; the drafter pass 66 ms (measured with the full
 # 49K-token LM head, before the draft vocabulary). A tree of N nodes verifies N + 1 tokens; past 16 tokens the slope
 # of the last segment is extended.
 AMD_FP32 = CostModel(nodes=(0, 3, 7, 15), verify_s=(0.080, 0.156, 0.168, 0.200), fixed_s=0.066,
-                     key="AMD EPYC fp32 (issue 11's table)")
+                     key="AMD EPYC fp32 (measured once)")
 # The same machine with today's drafter: its LM head covers the 4,096-token draft vocabulary instead of 49,152, so
 # the head's 51 ms shrink by that ratio (derived, not measured): 66 - 51 + 51 * 4096 / 49152 = 19 ms.
 AMD_FP32_DRAFT_VOCAB = CostModel(nodes=AMD_FP32.nodes, verify_s=AMD_FP32.verify_s, fixed_s=0.019,
-                                 key="AMD EPYC fp32 (issue 11's table, head scaled to the draft vocabulary)")
+                                 key="AMD EPYC fp32 (measured once, head scaled to the draft vocabulary)")
 
 
 def curves(target, draft, fp32_curve: bool, profiles: Path) -> dict[str, tuple[CostModel, int]]:
@@ -214,7 +215,8 @@ def markdown(results: dict) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m experiments.studies.auto_budget_study", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.studies.auto_budget_study",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/auto-study")
     p.add_argument("--samples", type=int, default=4, help="prompts per dataset (first turns)")
     p.add_argument("--seed", type=int, default=1, help="prompt selection and sampling seed (the benchmark uses 0)")

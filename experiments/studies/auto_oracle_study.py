@@ -1,7 +1,7 @@
 """``auto`` against the per-dataset oracle on replayed text, the way the benchmark judges it.
 
-The benchmark (:mod:`experiments.bench.replayer`) replays every turn on plain decoding's own output, prices each round with
-the cost curve of the prompt's context bucket, keeps one ``auto`` memory across the run's turns, and compares
+The benchmark (:mod:`experiments.bench.replayer`) replays every turn on plain decoding's own output, prices each round
+with the cost curve of the prompt's context bucket, keeps one ``auto`` memory across the run's turns, and compares
 ``auto``'s projected rate with the best fixed budget per dataset chosen after the fact (the oracle). This study does
 exactly that on prompts the benchmark does not score (``--seed``, default 1; the benchmark draws with seed 0), for
 several ``auto`` variants side by side, under this machine's curves and under two others (``--curves``):
@@ -14,7 +14,8 @@ A rule that only fits one curve is tuned to it; the oracle moves with the curve,
 ``NAME=curve.json`` prices with a saved curve instead (e.g. one bucket from ``$DDTREE_CACHE/costs``), so every
 prompt is priced alike and nothing is measured.
 
-    OMP_NUM_THREADS=1 python -m experiments.studies.auto_oracle_study --samples 2 --max-new-tokens 96 --out runs/auto-oracle
+    OMP_NUM_THREADS=1 python -m experiments.studies.auto_oracle_study --samples 2 --max-new-tokens 96 --out
+    runs/auto-oracle
 """
 
 from __future__ import annotations
@@ -143,7 +144,8 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m experiments.studies.auto_oracle_study", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.studies.auto_oracle_study",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/auto-oracle")
     p.add_argument("--samples", type=int, default=2, help="prompts per dataset (first turns)")
     p.add_argument("--seed", type=int, default=1, help="prompt selection (the benchmark draws with 0)")

@@ -3,7 +3,8 @@
     python -m experiments.studies.bench_tree                  # V in {49152, 151936}, B in {16, ..., 1024}, depth 15
     python -m experiments.studies.bench_tree --threads 1      # steadier numbers on a shared machine
     python -m experiments.studies.bench_tree --vocab 49152 --budgets 64 512 --repeats 100 --json runs/bench_tree.json
-    python -m experiments.studies.bench_tree --threads 1 --budgets 512 --rounds 3   # the number to quote on a busy machine
+    python -m experiments.studies.bench_tree --threads 1 --budgets 512 --rounds 3   # the number to quote on a busy
+    machine
 
 For every (distribution, vocab, budget) it reports median milliseconds of both builders (timed alternately, call by
 call, so machine noise hits both alike), the speed-up (with ``--rounds R``: the median over R independent rounds of

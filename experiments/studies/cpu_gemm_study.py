@@ -1,7 +1,7 @@
 """Which CPU kernel makes the small-row products of verification and drafting cheap on this machine?
 
 A verify round multiplies 2-64 rows by every weight matrix of the target; plain decoding multiplies one. On some CPUs
-the default BLAS is slow for such short inputs (issue 11 measured torch/MKL fp32 on a 2-core AMD EPYC at 4x the time
+the default BLAS is slow for such short inputs (torch/MKL fp32 on a 2-core AMD EPYC was measured at 4x the time
 of numpy/OpenBLAS for one [8, 576] x [576, 49152] product). This script times, for the embedded target's shapes
 (SmolLM2-135M: attention 576 -> 576 / 192, MLP 576 -> 1536 -> 576, LM head 576 -> 49152) and 1..64 rows:
 
@@ -80,7 +80,8 @@ def forward_ms(table: dict) -> dict:
 
 
 def _child(env_name: str, env: dict, threads: int, repeats: int) -> dict | None:
-    code = ("import json, torch; torch.set_num_threads(%d); from experiments.studies.cpu_gemm_study import time_kernels; "
+    code = ("import json, torch; torch.set_num_threads(%d); "
+            "from experiments.studies.cpu_gemm_study import time_kernels; "
             "print(json.dumps(time_kernels(['torch'], 'fp32', %d)))" % (threads, repeats))
     proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
                           timeout=1800)
@@ -92,7 +93,8 @@ def _child(env_name: str, env: dict, threads: int, repeats: int) -> dict | None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m experiments.studies.cpu_gemm_study", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.studies.cpu_gemm_study",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="write the tables as JSON")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=15)

@@ -1,4 +1,5 @@
-"""Drafter recipe ablations on the fixed protocol: ``python -m experiments.studies.drafter_ablation --data runs/data --out DIR``.
+"""Drafter recipe ablations on the fixed protocol: ``python -m experiments.studies.drafter_ablation --data runs/data
+--out DIR``.
 
 Every configuration trains a drafter from random weights on the same data shards for the same number of optimizer
 steps (``--steps``), then the fixed evaluation protocol (:mod:`experiments.studies.drafter_eval`: 24 held-out benchmark
@@ -56,7 +57,8 @@ def _config_names(configs: str) -> list[str]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line (every name in ``--configs`` must be one of ``ABLATIONS``)."""
-    p = argparse.ArgumentParser(prog="python -m experiments.studies.drafter_ablation", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.studies.drafter_ablation",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--data", required=True, action="append", help="shard folder (repeatable)")
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=200, help="optimizer steps per configuration (the same for all)")
@@ -77,7 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def _new_drafter(opt: dict, target, data, stops):
     """A drafter from random weights (seeded by the caller) with the configuration's shape and draft vocabulary."""
     from dflash_core.model import DFlashDraftModel
-    from dflash_core.training.config import DraftSpec, make_draft_config
+    from dflash_core.training.train_config import DraftSpec, make_draft_config
     from dflash_core.training.corpus import build_draft_vocab
 
     spec = DraftSpec(layers=opt["layers"], taps=opt["taps"], block_size=16, mask_token_id=16)
@@ -103,7 +105,7 @@ def _replayed_tau(target, name: str, draft, prompts, refs, stops) -> dict[str, f
 def _run_config(name: str, a, target, data, prompts, refs, stops, out: Path, log) -> dict:
     """Train configuration ``name`` in ``out/name`` (resumable), save its drafter, replay the protocol and write its
     ``result.json``. Returns the result."""
-    from dflash_core.training.config import TrainConfig
+    from dflash_core.training.train_config import TrainConfig
     from dflash_core.training.loop import train
 
     from experiments.bench.schema import write_json_atomic
@@ -137,14 +139,12 @@ def _write_summary(out: Path, results: dict[str, dict], steps: int) -> None:
     """Write ``ablation.json`` (every result so far, with the setup) and ``ablation.md`` (the table)."""
     from dflash_core.timing import cpu_model
 
-    from experiments.bench.schema import write_json_atomic
+    from experiments.bench.schema import write_json_atomic, write_text_atomic
 
+    protocol = "experiments.studies.drafter_eval, replayed, greedy, 128 tokens"
     write_json_atomic(out / "ablation.json", {"results": results, "steps": steps, "cpu": cpu_model(),
-                                              "threads": torch.get_num_threads(), "base": BASE,
-                                              "protocol": "experiments.studies.drafter_eval, replayed, greedy, 128 tokens"})
-    tmp = out / "ablation.md.tmp"
-    tmp.write_text(_table(results))
-    tmp.replace(out / "ablation.md")
+                                              "threads": torch.get_num_threads(), "base": BASE, "protocol": protocol})
+    write_text_atomic(out / "ablation.md", _table(results))
 
 
 def main(argv=None) -> None:

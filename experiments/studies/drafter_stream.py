@@ -3,8 +3,9 @@
 
 Starts from the shipped drafter (``--init``) and the committed training log (``--log``: the cursor that says which
 corpus files and generated sequences earlier runs used, and the tau-vs-tokens curve), trains on the mix of sources
-(:mod:`dflash_core.training.stream`), evaluates the fixed protocol (:mod:`experiments.studies.drafter_eval`, replayed: DFlash
-chain and DDTree B=32, bf16 copy of the drafter as shipped) every ``--eval-every`` tokens, and writes into ``--out``:
+(:mod:`dflash_core.training.stream`), evaluates the fixed protocol (:mod:`experiments.studies.drafter_eval`, replayed:
+DFlash chain and DDTree B=32, bf16 copy of the drafter as shipped) every ``--eval-every`` tokens, and writes into
+``--out``:
 
 * ``drafter/`` the trained drafter (bf16), ``checkpoint.pt`` (resumable: rerun the same command),
 * ``training_log.json`` the input log plus this run (cursor after it, ``tokens_seen`` over all runs, throughput, the
@@ -80,7 +81,8 @@ def paired_change(before: dict, after: dict, budget: str) -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line (exactly one of ``--minutes`` and ``--tokens``)."""
-    p = argparse.ArgumentParser(prog="python -m experiments.studies.drafter_stream", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.studies.drafter_stream",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--init", default=str(ZOO), help="drafter to start from (default: the shipped one)")
     p.add_argument("--log", default=str(ZOO / "training_log.json"),
@@ -167,8 +169,8 @@ def main(argv=None) -> None:
     from dflash_core import load_draft
     from dflash_core.default import load_default_target, stop_token_ids
     from dflash_core.timing import cpu_model
-    from dflash_core.training.config import TrainConfig
-    from dflash_core.training.generate import teacher_forced_ceiling
+    from dflash_core.training.train_config import TrainConfig
+    from dflash_core.training.responses import teacher_forced_ceiling
     from dflash_core.training.loop import setup_logging
     from dflash_core.training.stream import Cursor, SequenceStream, StreamState, stream_train
 

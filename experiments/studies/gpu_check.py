@@ -1,7 +1,7 @@
 """GPU check: does tree verification hold up on CUDA at real model sizes, and what does it cost there?
 
     python -m experiments.studies.gpu_check --out experiments/profiles/h200.json          # CUDA, bf16, at most ~8 min
-    python -m experiments.studies.gpu_check --device cpu --tiny --out /tmp/profile.json   # the code path on a tiny model
+    python -m experiments.studies.gpu_check --device cpu --tiny --out /tmp/profile.json  # the code path on a tiny model
 
 Run it from the repository root with the GPU image's own python: nothing needs installing when that python has
 torch (2.5 or newer, CUDA build), transformers (5.17 or newer, < 6) and numpy; the repository's packages are imported
@@ -434,7 +434,8 @@ def environment(device: torch.device, config: CheckConfig) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.studies.gpu_check", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m experiments.studies.gpu_check",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="profile JSON to write, e.g. experiments/profiles/h200.json")
     parser.add_argument("--tiny", action="store_true", help="a tiny random model instead of the Qwen3 shapes")
     parser.add_argument("--device", default="auto", help="auto (CUDA when available, else the CPU), cuda, cuda:1, cpu")

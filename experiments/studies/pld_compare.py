@@ -1,8 +1,8 @@
 """Our prompt-lookup decoding against transformers' on the same prompts, interleaved.
 
-``python -m experiments.studies.pld_compare`` loads the embedded pair (dtype and CPU kernels chosen as the benchmark does),
-takes the first turns of the benchmark's prompts (default: grounded, gsm8k, humaneval, mt-bench, 3 each) and runs,
-per prompt, in an order that rotates from prompt to prompt:
+``python -m experiments.studies.pld_compare`` loads the embedded pair (dtype and CPU kernels chosen as the benchmark
+does), takes the first turns of the benchmark's prompts (default: grounded, gsm8k, humaneval, mt-bench, 3 each) and
+runs, per prompt, in an order that rotates from prompt to prompt:
 
 * ``hf_greedy`` -- ``target.generate(ids, do_sample=False, max_new_tokens=N)`` (plain greedy in transformers);
 * ``hf_pld``    -- the same with ``prompt_lookup_num_tokens=10`` (transformers' prompt lookup, its default

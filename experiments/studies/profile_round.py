@@ -174,7 +174,8 @@ def _print_kernel(r: dict) -> None:
 
 def main(argv=None) -> None:
     kernel_choices = ("torch", "packed")
-    p = argparse.ArgumentParser(prog="python -m experiments.studies.profile_round", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.studies.profile_round",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--pair", choices=["default", "tiny"], default="default")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
     p.add_argument("--device", default="auto", help="auto (CUDA when available, else the CPU), cuda, cuda:1, cpu")

@@ -1,4 +1,5 @@
-"""What each step of the prepared GPU run measures (:mod:`experiments.studies.gpu_run.runner` runs them one process each).
+"""What each step of the prepared GPU run measures (:mod:`experiments.studies.gpu_run.runner` runs them one process
+each).
 
 A step gets a :class:`StepContext` and hands each finished part to ``ctx.save`` (written at once); a part that would
 start past the step's deadline is recorded as not run. Random weights throughout, except the embedded pair of the

@@ -1,20 +1,19 @@
-"""The blocks a drafter learns from: anchors in the response, block inputs and labels, position weights, the mask.
+"""Where a drafter learns: anchors in the response and the loss weight of each block position.
 
 Per sequence, ``anchors`` random anchor positions are drawn inside the response; every anchor opens a block
 ``[token at anchor, MASK x (b-1)]`` whose position k predicts the token k places after the anchor. All blocks of a
 sequence go through ONE drafter forward: the blocks are concatenated and an attention mask lets each block see the
 context features strictly before its anchor plus its own block (bidirectionally), exactly what the drafter sees when it
 drafts from that anchor during decoding. The loss at block position k (1-based among predicted positions) is weighted
-by ``exp(-(k-1)/gamma)``: early positions gate the acceptance of every later one.
+by ``exp(-(k-1)/gamma)``: early positions gate the acceptance of every later one. The block inputs, labels and
+attention mask are :mod:`dflash_core.blocks` (offline replay lays blocks out the same way).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..blocks import block_attention_mask, block_inputs
-
-__all__ = ["position_weights", "sample_anchors", "block_inputs", "block_attention_mask"]
+__all__ = ["position_weights", "sample_anchors"]
 
 
 def position_weights(block_size: int, gamma: float) -> torch.Tensor:
