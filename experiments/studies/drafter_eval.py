@@ -1,4 +1,5 @@
-"""The drafter's fixed evaluation protocol: ``python -m experiments.drafter_eval --draft <folder> [--draft ...]``.
+"""The drafter's fixed evaluation protocol:
+``python -m experiments.studies.drafter_eval --draft <folder> [--draft ...]``.
 
 24 prompts of the benchmark selection that no training run may use (``select_items(name, n, seed=0)``): 8 math
 (4 GSM8K, 4 MATH-500), 8 code (HumanEval), 8 chat (MT-Bench first turns). Greedy, 128 new tokens. For every drafter
@@ -26,7 +27,7 @@ PROTOCOL = (("gsm8k", 4, "math"), ("math500", 4, "math"), ("humaneval", 8, "code
 
 def protocol_prompts(tokenizer) -> list[tuple[str, str, str, list[int]]]:
     """[(group, dataset, sample_id, prompt ids)] of the fixed protocol."""
-    from .datasets import build_chat, select_items
+    from dflash_core.pools.catalog import build_chat, select_items
 
     out = []
     for name, n, group in PROTOCOL:
@@ -45,7 +46,7 @@ def reference_continuations(target, prompts, max_new_tokens: int, stops, path: P
     from dflash_core import autoregressive_generate
     from dflash_core.training.shards import target_fingerprint
 
-    from .schema import write_json_atomic
+    from experiments.bench.schema import write_json_atomic
 
     key = target_fingerprint(target) + f"/{next(target.parameters()).dtype}/{max_new_tokens}/{sorted(stops)}"
     if temperature > 0:
@@ -113,7 +114,8 @@ def replay_rows(target, labels, drafts, budgets, prompts, refs, max_new_tokens: 
 
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line (``--check-ar`` and ``--replay`` exclude each other)."""
-    p = argparse.ArgumentParser(prog="python -m experiments.drafter_eval", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.studies.drafter_eval",
+                                description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--draft", action="append", required=True, help="drafter folder (repeatable)")
     p.add_argument("--label", action="append", help="a name per --draft (default: the folder)")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: the machine's (bf16 if native)")
@@ -234,7 +236,7 @@ def _summarise(rows: list[dict], labels, budgets, replay: bool, check_ar: bool) 
 
 def paired_change(rows: list[dict], base: str, label: str, budget) -> str:
     """Per-prompt tau of ``label`` minus ``base`` at ``budget``: mean and bootstrap 95% interval, as text."""
-    from .schema import bootstrap_ci
+    from experiments.bench.schema import bootstrap_ci
 
     tau = {(r["draft"], r["dataset"], r["sample_id"]): r["tokens"] / max(1, r["rounds"])
            for r in rows if r["budget"] == budget}
@@ -249,7 +251,7 @@ def main(argv=None) -> None:
         torch.set_num_threads(a.threads)
     from dflash_core.default import load_default_target, resolve_device, stop_token_ids
 
-    from .models import resolve_dtype
+    from experiments.bench.models import resolve_dtype
 
     a.device_resolved = resolve_device(a.device)
     dtype = resolve_dtype(a.dtype or "auto", a.device_resolved)
@@ -275,12 +277,13 @@ def main(argv=None) -> None:
     result = {"summary": summary, "rows": rows, "dtype": str(dtype), "cpu": cpu, "threads": torch.get_num_threads(),
               "max_new_tokens": a.max_new_tokens, "prompts": len(prompts), "cast_inv_freq": a.cast_inv_freq,
               "mode": "replay" if a.replay else "decode loop"}
-    print(f"tau ({'replayed' if a.replay else 'decode loop'}, greedy, {a.max_new_tokens} tokens, {len(prompts)} prompts, {dtype}, {cpu}):")
+    print(f"tau ({'replayed' if a.replay else 'decode loop'}, greedy, {a.max_new_tokens} tokens, {len(prompts)} "
+          f"prompts, {dtype}, {cpu}):")
     for key, entry in summary.items():
         print(f"  {key:40s} " + "  ".join(f"{g} {v:.3f}" if isinstance(v, float) else f"{g} {v}"
                                           for g, v in entry.items()))
     if a.out:
-        from .schema import write_json_atomic
+        from experiments.bench.schema import write_json_atomic
 
         write_json_atomic(a.out, result)
 
