@@ -427,7 +427,7 @@ def test_tree_argument(tiny_pair):
 def test_records_keep_the_tree_kind_and_old_records_load():
     import json
 
-    from experiments.schema import SampleRecord, method_label
+    from experiments.bench.schema import SampleRecord, method_label
 
     common = dict(dataset="gsm8k", sample_id="3", turn=0, method="ddtree", budget=16, policy="fixed",
                   temperature=1.0, num_input_tokens=10, num_new_tokens=8, prefill_s=0.1, decode_s=0.5,
@@ -444,7 +444,7 @@ def test_records_keep_the_tree_kind_and_old_records_load():
 
 
 def test_sampling_preset():
-    from experiments.presets import get_preset, with_overrides
+    from experiments.bench.presets import get_preset, with_overrides
 
     preset = get_preset("sampling")
     assert preset.problems() == [] and preset.temperatures == (1.0,) and preset.budgets == (16, 32, "auto")
@@ -456,8 +456,8 @@ def test_sampling_preset():
 
 
 def test_benchmark_runs_both_tree_kinds_side_by_side(tmp_path):
-    from experiments import benchmark
-    from experiments.schema import read_records
+    from experiments.bench import cli as benchmark
+    from experiments.bench.schema import read_records
     from plots import make_report, summary_table
 
     out = tmp_path / "t1"
@@ -485,7 +485,7 @@ def test_benchmark_runs_both_tree_kinds_side_by_side(tmp_path):
 
 
 def test_mechanism_study_runs():
-    from experiments.sampled_tree_study import study, table
+    from experiments.studies.sampled_tree_study import study, table
 
     rows = study(vocab=60, depth=4, rounds=15, budgets=(4,), noises=(0.0,), zipf=(1.5, 2.0), drift=0.0, seed=0)
     assert len(rows) == 1 and 1.0 <= rows[0]["tau_topk"] <= 5.0 and 1.0 <= rows[0]["tau_sampled"] <= 5.0
