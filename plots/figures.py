@@ -232,7 +232,7 @@ def plot_acceptance_histograms(records: Sequence[SampleRecord], stats: list[Stat
             longest, highest = 1, 0.0
             for j, (s, label, color) in enumerate(variants):
                 lengths = [n for r in records if r.dataset == dataset and r.temperature == temperature
-                           and (r.method, r.policy, r.budget, r.tree_kind) == (s.method, s.policy, s.budget, s.tree)
+                           and r.variant == s.variant
                            for n in r.acceptance_lengths]
                 if not lengths:
                     continue

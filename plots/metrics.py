@@ -25,30 +25,11 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from experiments.bench.schema import (
-    EXTRA_TREE_SIZES, LOOKUP_POLICY, SampleRecord, bootstrap_ci, dataset_sort_key, lookup_share, method_label,
-    near_tie_or_equal, paired_speedup, tree_kind, variant_sort_key,
+    EXTRA_TREE_SIZES, SampleRecord, Variant, bootstrap_ci, dataset_sort_key, lookup_share, near_tie_or_equal,
+    paired_speedup,
 )
 
 ORACLE_LABEL = "DDTree (oracle budget)"
-
-
-def _int_budget(method: str, budget: int | str | None) -> bool:
-    return method == "ddtree" and isinstance(budget, int) and not isinstance(budget, bool)
-
-
-def is_fixed_tree(method: str, budget: int | str | None, tree: str | None = None, policy: str | None = None) -> bool:
-    """A top-K DDTree variant with an integer node budget and no lookup branches (a candidate for the oracle)."""
-    return _int_budget(method, budget) and tree_kind(method, tree) == "topk" and policy != LOOKUP_POLICY
-
-
-def is_lookup_tree(method: str, budget: int | str | None, policy: str | None) -> bool:
-    """A DDTree variant whose trees take in the context's n-gram continuation (``DDTree+lookup (B=..)``)."""
-    return _int_budget(method, budget) and policy == LOOKUP_POLICY
-
-
-def is_sampled_tree(method: str, budget: int | str | None, tree: str | None = None) -> bool:
-    """A sampled-tree DDTree variant with an integer node budget."""
-    return _int_budget(method, budget) and tree_kind(method, tree) == "sampled"
 
 
 @dataclass(frozen=True)
@@ -84,6 +65,7 @@ class Stats:
     # share of compared records equal to plain decoding or first leaving it at a near-tie (schema.NEAR_TIE_MARGIN)
     near_tie_match: float | None = None
     lookup_share: float | None = None  # committed tokens from lookup nodes ÷ all committed (PLD, DDTree+lookup)
+    variant: str = "ar"  # the variant's canonical name (experiments.bench.variant_spec)
 
     @property
     def within_noise(self) -> bool:
@@ -92,26 +74,28 @@ class Stats:
                 and self.speedup_ci_low <= 1.0 <= self.speedup_ci_high)
 
     @property
+    def spec(self) -> Variant:
+        """The variant these stats aggregate; ``method``, ``policy``, ``budget``, ``tree`` and ``label`` are read
+        off it (copied into fields so that tables and tests can compare plain values)."""
+        return Variant.parse(self.variant)
+
+    @property
     def is_fixed_tree(self) -> bool:
         """A top-K tree with an integer budget (no lookup branches)."""
-        return is_fixed_tree(self.method, self.budget, self.tree, self.policy)
+        return self.spec.is_fixed_tree
 
     @property
     def is_lookup_tree(self) -> bool:
-        return is_lookup_tree(self.method, self.budget, self.policy)
+        return self.spec.is_lookup_tree
 
     @property
     def is_policy(self) -> bool:
         """A budget policy (a string budget such as ``auto``, DFlash's ``chain-auto`` or a user policy's name)."""
-        return self.method in ("ddtree", "dflash") and isinstance(self.budget, str)
+        return self.spec.is_policy
 
     @property
     def is_sampled_tree(self) -> bool:
-        return is_sampled_tree(self.method, self.budget, self.tree)
-
-
-# the display order lives in experiments.bench.schema (the runner's summary uses it)
-_variant_sort_key = variant_sort_key
+        return self.spec.is_sampled_tree
 
 
 def _quartiles(values: list[float]) -> tuple[float, float, float] | tuple[None, None, None]:
@@ -154,22 +138,19 @@ def compute_stats(records: Iterable[SampleRecord]) -> list[Stats]:
     sampled trees of one budget next to each other)."""
     groups: dict[tuple, dict[tuple, list[SampleRecord]]] = defaultdict(lambda: defaultdict(list))
     for record in records:
-        variant = (record.method, record.policy, record.budget, record.tree_kind)
-        groups[(record.dataset, record.temperature)][variant].append(record)
+        groups[(record.dataset, record.temperature)][record.spec].append(record)
 
     stats = []
     for (dataset, temperature), variants in groups.items():
-        ar_by_sample = {_sample_key(r): r for variant, rs in variants.items() if variant[0] == "ar" for r in rs}
-        for (method, policy, budget, tree), rs in variants.items():
-            stats.append(_variant_stats(dataset, temperature, method, policy, budget, rs, ar_by_sample, tree))
-    stats.sort(key=lambda s: (dataset_sort_key(s.dataset), s.temperature,
-                              variant_sort_key(s.method, s.policy, s.budget, s.tree)))
+        ar_by_sample = {_sample_key(r): r for variant, rs in variants.items() if variant.method == "ar" for r in rs}
+        for variant, rs in variants.items():
+            stats.append(_variant_stats(dataset, temperature, variant, rs, ar_by_sample))
+    stats.sort(key=lambda s: (dataset_sort_key(s.dataset), s.temperature, s.spec.sort_key))
     return stats
 
 
-def _variant_stats(dataset: str, temperature: float, method: str, policy: str, budget: int | str | None,
-                   records: list[SampleRecord], ar_by_sample: dict[tuple, SampleRecord],
-                   tree: str | None = None) -> Stats:
+def _variant_stats(dataset: str, temperature: float, variant: Variant, records: list[SampleRecord],
+                   ar_by_sample: dict[tuple, SampleRecord]) -> Stats:
     partners = ((ar_by_sample.get(_sample_key(r)), r) for r in records)
     pairs = [(a, m) for a, m in partners if a is not None and a.num_new_tokens > 0 and m.num_new_tokens > 0]
     speedup = paired_speedup(pairs)
@@ -186,13 +167,14 @@ def _variant_stats(dataset: str, temperature: float, method: str, policy: str, b
     near = [near_tie_or_equal(r.matches_ar, r.extra) for r in records if r.matches_ar is not None]
     sizes = [size for r in records for size in (r.extra.get(EXTRA_TREE_SIZES) or [])]
     return Stats(
-        dataset=dataset, temperature=temperature, method=method, policy=policy, budget=budget,
-        label=method_label(method, policy, budget, tree), num_records=len(records), num_paired=len(pairs),
+        dataset=dataset, temperature=temperature, method=variant.method, policy=variant.policy,
+        budget=variant.budget, label=variant.label, variant=variant.name, num_records=len(records),
+        num_paired=len(pairs),
         num_new_tokens=tokens, decode_s=decode_s, time_per_token_s=decode_s / tokens if tokens else None,
         speedup=speedup, speedup_median=median, speedup_q25=q25, speedup_q75=q75,
         tau=accepted / rounds if rounds else None, num_rounds=rounds,
         exact_match=sum(compared) / len(compared) if compared else None, num_compared=len(compared),
-        mean_tree_size=sum(sizes) / len(sizes) if sizes else None, tree=tree,
+        mean_tree_size=sum(sizes) / len(sizes) if sizes else None, tree=variant.tree,
         speedup_ci_low=ci_low, speedup_ci_high=ci_high,
         acceptance_by_depth=acceptance_by_depth(n for r in records for n in r.acceptance_lengths),
         target_forwards=sum(target_forwards(r) for r in records),

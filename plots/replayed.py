@@ -94,12 +94,10 @@ def auto_vs_oracle(stats: list[Stats], title: str) -> str:
 
 def _per_prompt(records: list[SampleRecord]) -> dict[tuple, dict[str, float]]:
     """{(dataset, temperature, sample, turn): {label: seconds per token}}."""
-    from experiments.bench.schema import method_label
-
     out: dict[tuple, dict[str, float]] = defaultdict(dict)
     for r in records:
         if r.num_new_tokens > 0 and r.decode_s > 0:
-            label = method_label(r.method, r.policy, r.budget, r.tree_kind)
+            label = r.spec.label
             out[(r.dataset, r.temperature, r.sample_id, r.turn)][label] = r.decode_s / r.num_new_tokens
     return out
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from experiments.bench.schema import (
-    NEAR_TIE_MARGIN, SampleRecord, dataset_label, dataset_sort_key, method_label, variant_sort_key,
+    NEAR_TIE_MARGIN, SampleRecord, dataset_label, dataset_sort_key,
 )
 from plots.metrics import ORACLE_LABEL, Stats, compute_stats, groups_of, headline_stats, oracle_stats, target_forwards
 
@@ -149,11 +149,10 @@ def stage_table(records: Iterable[SampleRecord]) -> str:
 
     groups: dict[tuple, list[SampleRecord]] = defaultdict(list)
     for r in records:
-        groups[(r.temperature, r.method, r.policy, r.budget, r.tree_kind)].append(r)
+        groups[(r.temperature, r.spec)].append(r)
     lines = ["| T | Method | ms/round | " + " | ".join(STAGES) + " | other | τ | forwards/token |",
              "|---|---|" + "---:|" * (len(STAGES) + 4)]
-    for (t, method, policy, budget, tree), rs in sorted(
-            groups.items(), key=lambda kv: (kv[0][0], variant_sort_key(*kv[0][1:]))):
+    for (t, variant), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1].sort_key)):
         rounds = sum(len(r.acceptance_lengths) for r in rs)
         tokens = sum(r.num_new_tokens for r in rs)
         if not rounds or not tokens:
@@ -162,7 +161,7 @@ def stage_table(records: Iterable[SampleRecord]) -> str:
         total = 1000 * sum(r.decode_s for r in rs) / rounds
         tau = sum(sum(r.acceptance_lengths) for r in rs) / rounds
         forwards = sum(target_forwards(r) for r in rs) / tokens
-        lines.append(f"| {_temperature(t)} | {method_label(method, policy, budget, tree)} | {total:.1f} | "
+        lines.append(f"| {_temperature(t)} | {variant.label} | {total:.1f} | "
                      + " | ".join(f"{per[st]:.1f}" for st in STAGES)
                      + f" | {max(0.0, total - sum(per.values())):.1f} | {tau:.2f} | {forwards:.2f} |")
     return "\n".join(lines) + "\n"

@@ -9,7 +9,7 @@ import torch
 
 from conftest import equal_or_fp32_tie
 from experiments.bench import cli as benchmark
-from experiments.bench.schema import Manifest, read_records
+from experiments.bench.schema import Manifest, read_records, record_key
 from experiments.bench.variants import Variant
 
 
@@ -43,8 +43,7 @@ def test_prompt_lookup_and_lookup_trees_record_their_lookup_share(tmp_path, caps
             "--methods", "ar,pld", "--lookup-budgets", "4"]
     assert benchmark.main(args) == 0
     records = read_records(out / "records.jsonl")
-    by_label = {Variant(r.method, r.budget, r.tree, lookup=r.policy == "lookup" and r.method == "ddtree").label: r
-                for r in records}
+    by_label = {r.spec.label: r for r in records}
     assert set(by_label) == {"AR", "PLD", "DDTree+lookup (B=4)"}
     pld, tree = by_label["PLD"], by_label["DDTree+lookup (B=4)"]
     assert (pld.method, pld.policy, pld.budget) == ("pld", "lookup", None)
@@ -53,7 +52,8 @@ def test_prompt_lookup_and_lookup_trees_record_their_lookup_share(tmp_path, caps
         assert equal_or_fp32_tie(r)  # fp32, T = 0: lossless up to an fp32 tie
         assert 0 <= r.extra["lookup_tokens"] <= sum(r.acceptance_lengths)
     assert "lookup_tokens" not in by_label["AR"].extra
-    assert tree.record_key() == Variant("ddtree", 4, lookup=True).key("gsm8k", tree.sample_id, 0, 0.0)
+    assert tree.variant == "ddtree+lookup:B=4" and tree.spec == Variant("ddtree", 4, lookup=True)
+    assert tree.record_key() == record_key("gsm8k", tree.sample_id, 0, tree.spec, 0.0)
     printed = capsys.readouterr().out
     assert "| PLD |" in printed and "| DDTree+lookup (B=4) |" in printed and "Lookup" in printed
     assert benchmark.main(args) == 0  # resuming finds both lookup variants
@@ -117,10 +117,10 @@ def test_user_policy_class_is_a_variant_named_by_its_name(tmp_path, policy_modul
     (mine,) = [r for r in records if r.method != "ar"]
     assert (mine.method, mine.budget, mine.policy) == ("ddtree", "short-chain", "custom")
     assert equal_or_fp32_tie(mine) and max(mine.extra["tree_sizes"]) <= 2
-    assert mine.extra["policy_class"] == f"{policy_module}:ShortChain"
+    assert mine.variant == f"policy:short-chain={policy_module}:ShortChain"  # the class, recorded in the spec
     assert "| short-chain |" in capsys.readouterr().out
     session = Manifest.read(out / "manifest.json").extra["sessions"][-1]
-    assert session["extra_variants"][0]["policy_class"] == f"{policy_module}:ShortChain"
+    assert session["extra_variants"][0]["variant"] == mine.variant
 
 
 @pytest.mark.parametrize("spec, message", [

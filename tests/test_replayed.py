@@ -123,11 +123,10 @@ def _stats(rows: dict[str, dict[int | str, float]]):
 
     records = []
     for dataset, by in rows.items():
-        records.append(SampleRecord(dataset, "0", 0, "ar", None, "ar", 0.0, 0, 101, 0.0, 1.0, [1] * 100))
+        records.append(SampleRecord(dataset, "0", 0, "ar", 0.0, 0, 101, 0.0, 1.0, [1] * 100))
         for budget, speedup in by.items():
-            policy = "fixed" if isinstance(budget, int) else budget
-            records.append(SampleRecord(dataset, "0", 0, "ddtree", budget, policy, 0.0, 0, 101, 0.0, 1.0 / speedup,
-                                        [2] * 50, tree="topk"))
+            records.append(SampleRecord(dataset, "0", 0, Variant("ddtree", budget), 0.0, 0, 101, 0.0, 1.0 / speedup,
+                                        [2] * 50))
     return compute_stats(records)
 
 

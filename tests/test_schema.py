@@ -14,6 +14,7 @@ from experiments.bench.schema import (
     METHODS,
     Manifest,
     SampleRecord,
+    Variant,
     append_record,
     completed_keys,
     method_label,
@@ -140,9 +141,9 @@ def test_resume_keys(tmp_path):
         append_record(path, r)
     keys = completed_keys(path)
     assert len(keys) == len(done)
-    assert record_key("gsm8k", "a", 0, "ddtree", 16, 0) in keys  # int temperature normalised to float
-    assert record_key("gsm8k", "a", 0, "ddtree", 32, 0.0) not in keys
-    assert record_key("gsm8k", "a", 1, "ddtree", 16, 0.0) not in keys
+    assert record_key("gsm8k", "a", 0, Variant("ddtree", 16), 0) in keys  # int temperature normalised to float
+    assert record_key("gsm8k", "a", 0, Variant("ddtree", 32), 0.0) not in keys
+    assert record_key("gsm8k", "a", 1, Variant("ddtree", 16), 0.0) not in keys
     assert done[0].record_key() == ("gsm8k", "a", 0, "ddtree", 16, 0.0)
 
 
@@ -189,15 +190,17 @@ def test_lookup_trees_have_their_own_resume_key_and_share():
     lookup = make_record(budget=16, policy="lookup", acceptance_lengths=[3, 1, 4], extra={"lookup_tokens": 2})
     assert plain.record_key() == ("gsm8k", "17", 0, "ddtree", 16, 0.0)
     assert lookup.record_key() == plain.record_key() + ("lookup",)
-    assert record_key("gsm8k", "17", 0, "ddtree", 16, 0.0, "topk", "lookup") == lookup.record_key()
+    assert record_key("gsm8k", "17", 0, Variant.parse("ddtree+lookup:B=16"), 0.0) == lookup.record_key()
     assert SampleRecord.from_json(lookup.to_json()) == lookup
     assert lookup_share([plain, lookup]) == pytest.approx(2 / 8)  # records without the key do not count
     assert lookup_share([plain]) is None
 
 
 def test_chain_auto_is_dflash_and_old_records_are_read_as_such():
-    old = json.loads(make_record(method="ddtree", budget="chain-auto", policy="chain-auto", tree="topk").to_json())
-    back = SampleRecord.from_dict(old)  # written when chain-auto was filed under DDTree
+    old = json.loads(make_record().to_json())
+    del old["variant"]  # a version-1 record, written when chain-auto was filed under DDTree
+    old.update(method="ddtree", budget="chain-auto", policy="chain-auto", tree="topk", schema_version=1)
+    back = SampleRecord.from_dict(old)
     assert (back.method, back.budget, back.policy, back.tree) == ("dflash", "chain-auto", "chain-auto", None)
     assert back.record_key() == ("gsm8k", "17", 0, "dflash", "chain-auto", 0.0)
     assert method_label(back.method, back.policy, back.budget, back.tree) == "DFlash (auto)"
@@ -217,3 +220,62 @@ def test_the_torch_free_schema_names_the_library_s_tree_kinds_and_budget_words()
     from experiments.bench.schema import TREE_KINDS as SCHEMA_TREE_KINDS
 
     assert SCHEMA_TREE_KINDS == TREE_KINDS and set(BUDGET_POLICIES) < set(BUDGET_WORDS)
+
+
+EVERY_VARIANT = [
+    Variant("ar"), Variant("pld"), Variant("dflash"), Variant("dflash", "chain-auto"), Variant("ddtree", 8),
+    Variant("ddtree", 32), Variant("ddtree", "auto"), Variant("ddtree", 8, "sampled"),
+    Variant("ddtree", 16, lookup=True), Variant("ddtree", "auto", lookup=True),
+    Variant("ddtree", "mine", policy_class="my_pkg.policies:Mine"),
+]
+
+
+def test_every_variant_has_one_canonical_name_that_parses_back():
+    names = [v.name for v in EVERY_VARIANT]
+    assert names == ["ar", "pld", "dflash", "dflash:chain-auto", "ddtree:B=8", "ddtree:B=32", "ddtree:auto",
+                     "ddtree-sampled:B=8", "ddtree+lookup:B=16", "ddtree+lookup:auto",
+                     "policy:mine=my_pkg.policies:Mine"]
+    assert [Variant.parse(name) for name in names] == EVERY_VARIANT
+    assert len({v.label for v in EVERY_VARIANT}) == len({v.key for v in EVERY_VARIANT}) == len(EVERY_VARIANT)
+    assert sorted(reversed(EVERY_VARIANT), key=lambda v: v.sort_key)[:4] == EVERY_VARIANT[:1] + EVERY_VARIANT[2:4] + [
+        Variant("ddtree", 8)]  # AR, DFlash (plain, then auto), then DDTree by budget
+
+
+@pytest.mark.parametrize("name, fix", [("ddtree:B=x", "integer"), ("ddtree:", "empty budget"),
+                                       ("tree:B=3", "unknown"), ("ddtree+lookup:chain-auto", "lookup branches"),
+                                       ("ar:B=3", "no budget")])
+def test_a_bad_variant_name_says_what_is_wrong(name, fix):
+    with pytest.raises(ValueError, match=fix):
+        Variant.parse(name)
+
+
+def test_a_record_stores_its_variant_once_and_version_1_lines_still_load(tmp_path):
+    """The record's one identity field is ``variant``; method / budget / policy / tree in its JSON are derived copies
+    (ignored when read). Literal version-1 lines -- each kind of variant, a user policy whose class sat in ``extra``
+    -- load to the spec and keep their old resume keys, so an old run folder resumes and plots."""
+    record = make_record(method="ddtree", budget=16, policy="fixed", tree="sampled")  # the version-1 keywords
+    assert record == SampleRecord(**{**vars(record), "variant": Variant("ddtree", 16, "sampled")})
+    data = json.loads(record.to_json())
+    assert data["variant"] == "ddtree-sampled:B=16" and data["schema_version"] == 2
+    data.update(method="ar", budget=None)  # derived copies never override the variant
+    assert SampleRecord.from_dict(data) == record
+    common = ('"dataset":"gsm8k","sample_id":"1","turn":0,"temperature":0.0,"num_input_tokens":5,'
+              '"num_new_tokens":4,"prefill_s":0.0,"decode_s":0.1,"schema_version":1')
+    old = {
+        '"method":"ar","budget":null,"policy":"ar"': ("ar", ("ar", None)),
+        '"method":"ddtree","budget":32,"policy":"fixed"': ("ddtree:B=32", ("ddtree", 32)),
+        '"method":"ddtree","budget":32,"policy":"fixed","tree":"sampled"': ("ddtree-sampled:B=32",
+                                                                           ("ddtree", 32, "sampled")),
+        '"method":"ddtree","budget":"auto","policy":"lookup","tree":"topk"': ("ddtree+lookup:auto",
+                                                                             ("ddtree", "auto", "lookup")),
+        '"method":"ddtree","budget":"mine","policy":"custom","extra":{"policy_class":"p:C"}': ("policy:mine=p:C",
+                                                                                              ("ddtree", "mine")),
+        '"method":"ddtree","budget":"mine","policy":"custom"': ("policy:mine", ("ddtree", "mine")),
+    }
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join("{" + common + "," + fields + "}\n" for fields in old))
+    records = read_records(path)
+    assert [(r.variant, r.record_key()[3:5] + r.record_key()[6:]) for r in records] == list(old.values())
+    assert all(r.schema_version == 2 and "policy_class" not in r.extra for r in records)
+    assert [r.spec.label for r in records] == ["AR", "DDTree (B=32)", "DDTree sampled (B=32)", "DDTree+lookup (auto)",
+                                               "mine", "mine"]

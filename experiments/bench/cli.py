@@ -41,7 +41,7 @@ from experiments.bench.presets import (
 from experiments.bench.ranks import RankInfo, device_name, pick_device, process_group
 from experiments.bench.replayer import Replayer, replay_variants
 from experiments.bench.run_folder import RunFolder, existing_records, merge_rank_files
-from experiments.bench.schema import METHODS, read_records
+from experiments.bench.schema import METHODS, read_records, record_key
 from experiments.bench.conversation import Conversation, conversations
 from experiments.bench.session import Session, StopRun
 from experiments.bench.sizing import Unit, coverage, coverage_message, size_run, sizing_message
@@ -99,8 +99,7 @@ def _session_info(preset: Preset, models: Models, variants: list[Variant], comma
         info["datasets_unavailable"] = unavailable
     asked = [v for v in variants if v.lookup or v.policy_class]  # variants asked for beyond the preset
     if asked:
-        info["extra_variants"] = [{"label": v.label, "method": v.method, "budget": v.budget, "policy": v.policy,
-                                   "policy_class": v.policy_class} for v in asked]
+        info["extra_variants"] = [{"label": v.label, "variant": v.name} for v in asked]
     if models.device.type == "cpu":
         from dflash_core.cpu_kernels import apply_cpu_kernels
 
@@ -175,7 +174,7 @@ def _warm_up_and_size(session: Session, todo: list[Conversation], run: RunFolder
         run.update_session(calibration=calibration)
     per_token, per_call = session.warm_up(todo)
     units = [Unit(c, turn, v) for c in todo for turn in range(c.num_turns) for v in variants
-             if v.key(c.item.dataset, c.item.sample_id, turn, c.temperature) not in done]
+             if record_key(c.item.dataset, c.item.sample_id, turn, v, c.temperature) not in done]
     budget = None if full else preset.time_budget_s
     kept, report = size_run(units, per_token, preset.max_new_tokens, budget if budget else float("inf"), per_call,
                             min_samples=preset.min_samples, costs=session.turn_costs,

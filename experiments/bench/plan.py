@@ -168,12 +168,13 @@ def _sized_grid(plan: dict[str, Any], convs: list, folder: Path, per_token: dict
     """The pair's units not yet recorded in ``folder``, and what the runner's rule keeps of them in the budget
     (a single-process run with a budget and without --full is sized; a torchrun launch is not)."""
     from experiments.bench.run_folder import existing_records
+    from experiments.bench.schema import record_key
     from experiments.bench.sizing import Unit, size_run
 
     preset = plan["preset"]
     done = existing_records(folder) if folder.is_dir() else {}
     units = [Unit(c, turn, v) for c in convs for turn in range(len(c.item.turns)) for v in plan["variants"]
-             if v.key(c.item.dataset, c.item.sample_id, turn, c.temperature) not in done]
+             if record_key(c.item.dataset, c.item.sample_id, turn, v, c.temperature) not in done]
     sized = not plan["full"] and plan["devices"]["world"] == 1 and bool(preset.time_budget_s)
     budget = preset.time_budget_s if sized else float("inf")
     kept, report = size_run(units, per_token, preset.max_new_tokens, budget, min_samples=preset.min_samples,

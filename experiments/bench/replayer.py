@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from experiments.bench.schema import EXTRA_TREE_SIZES, SampleRecord
-from experiments.bench.variants import Variant
+from experiments.bench.variant_spec import Variant
 
 if TYPE_CHECKING:
     from experiments.bench.models import Models
@@ -128,8 +128,8 @@ class Replayer:
                 cost) -> SampleRecord:
         extra = {EXTRA_REPLAYED: True, EXTRA_TREE_SIZES: [int(s) for s in sizes], "cost_context": cost.context}
         return SampleRecord(
-            dataset=base.dataset, sample_id=base.sample_id, turn=base.turn, method=variant.method,
-            budget=variant.budget, policy=variant.policy, temperature=base.temperature, tree=variant.tree,
+            dataset=base.dataset, sample_id=base.sample_id, turn=base.turn, variant=variant,
+            temperature=base.temperature,
             num_input_tokens=base.num_input_tokens, num_new_tokens=base.num_new_tokens, prefill_s=0.0,
             decode_s=round(seconds, 6), acceptance_lengths=[int(n) for n in lengths], stage_times={},
             matches_ar=None, seed=base.seed, dtype=base.dtype, extra=extra)

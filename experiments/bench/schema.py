@@ -28,22 +28,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-SCHEMA_VERSION = 1
+from experiments.bench.variant_spec import (  # noqa: F401 (METHODS, TREE_KINDS, ...: the record's vocabulary)
+    CUSTOM_POLICY, LOOKUP_POLICY, METHOD_LABELS, METHODS, TREE_KINDS, Variant, legacy_variant,
+)
+
+# 2: one ``variant`` (a :class:`Variant` name) instead of method / budget / policy / tree (version 1, read through
+# :func:`legacy_variant`).
+SCHEMA_VERSION = 2
 RECORDS_FILENAME = "records.jsonl"
 MANIFEST_FILENAME = "manifest.json"
 REPLAYED_FILENAME = "replayed.jsonl"  # replayed rounds on plain decoding's text, priced (experiments.bench.replayer)
 
-# ar: plain decoding; dflash: the drafter's chain (``budget="chain-auto"``: with a chosen length); ddtree: trees;
-# pld: draft-free prompt lookup (``dflash_core.lookup_generate``).
-METHODS = ("ar", "dflash", "ddtree", "pld")
-# Policies with a meaning beyond "the budget says it all" (SampleRecord.policy): DDTree trees that take in the
-# context's n-gram continuation (``ddtree_generate(lookup=True)``, PLD's proposals), and a user's policy class
-# (``--policy module:Class``), whose ``name`` is the record's budget and its label.
-LOOKUP_POLICY = "lookup"
-CUSTOM_POLICY = "custom"
-# DDTree tree kinds: the deterministic top-K tree (sample-and-match) and the sampled tree (recursive rejection
-# sampling). Records written before the field existed carry tree=None, which means "topk" for DDTree.
-TREE_KINDS = ("topk", "sampled")
 # Conventional key in SampleRecord.extra: number of draft nodes verified in each round (tree policies).
 EXTRA_TREE_SIZES = "tree_sizes"
 # Conventional key in SampleRecord.extra: committed tokens that came from context-lookup nodes, summed over the rounds
@@ -64,7 +59,6 @@ def near_tie_or_equal(matches_ar: bool | None, extra: dict) -> bool | None:
     return bool(matches_ar) or (margin is not None and margin < NEAR_TIE_MARGIN)
 
 # ---- display names: the one place plots and the runner's summary take them from (colours live in plots) ----------
-METHOD_LABELS = {"ar": "AR", "dflash": "DFlash", "ddtree": "DDTree", "pld": "PLD"}
 DATASET_LABELS = {
     "gsm8k": "GSM8K",
     "math500": "MATH-500",
@@ -81,47 +75,10 @@ DATASET_LABELS = {
 DATASET_ORDER = tuple(DATASET_LABELS)
 
 
-def tree_kind(method: str, tree: str | None) -> str | None:
-    """The tree kind of a record: ``tree`` itself, "topk" for DDTree records without one, None for AR / DFlash."""
-    if method != "ddtree":
-        return None
-    return tree or "topk"
-
-
 def method_label(method: str, policy: str | None = None, budget: int | str | None = None,
                  tree: str | None = None) -> str:
-    """Human-readable name of one method variant, e.g. ``DDTree (B=32)``, ``DDTree (auto)``, for the sampled tree
-    ``DDTree sampled (B=32)``, with lookup branches ``DDTree+lookup (B=32)``, DFlash with a chosen chain length
-    ``DFlash (auto)``; a user's policy (``policy="custom"``) is called by its name (the budget)."""
-    name = METHOD_LABELS.get(method, method)
-    if policy == CUSTOM_POLICY and budget is not None:
-        return str(budget)
-    if method == "dflash" and isinstance(budget, str):
-        return f"{name} ({budget.removeprefix('chain-')})"
-    if method != "ddtree":
-        return name
-    if policy == LOOKUP_POLICY:
-        name = f"{name}+lookup"
-    elif tree_kind(method, tree) != "topk":
-        name = f"{name} {tree}"
-    if isinstance(budget, int) and not isinstance(budget, bool):
-        return f"{name} (B={budget})"
-    if budget is not None:
-        return f"{name} ({budget})"
-    return f"{name} ({policy})" if policy else name
-
-
-def variant_sort_key(method: str, policy: str | None, budget: int | str | None, tree: str | None = None) -> tuple:
-    """Display order of variants: by method (``METHODS``); within one, the budget-less variant (plain DFlash), then
-    int budgets ascending with the tree kinds and the lookup tree of one budget side by side, then policies."""
-    rank = METHODS.index(method) if method in METHODS else len(METHODS)
-    kind = tree_kind(method, tree)
-    kind_rank = TREE_KINDS.index(kind) if kind in TREE_KINDS else len(TREE_KINDS)
-    if isinstance(budget, int) and not isinstance(budget, bool):
-        return (rank, 1, budget, kind_rank, policy == LOOKUP_POLICY, kind or "")
-    if budget is None:
-        return (rank, 0, 0, kind_rank, False, policy or "")
-    return (rank, 2, 0, kind_rank, False, f"{policy}:{budget}:{kind}")
+    """The label of a variant given by the fields records had before :class:`Variant` (:func:`legacy_variant`)."""
+    return legacy_variant(method, budget, policy, tree).label
 
 
 def paired_speedup(pairs: Iterable[tuple["SampleRecord", "SampleRecord"]]) -> float | None:
@@ -167,28 +124,28 @@ def _plain(obj: Any) -> Any:
     raise TypeError(f"not JSON serializable: {type(obj).__name__}")
 
 
-@dataclass
+_LEGACY_FIELDS = ("method", "budget", "policy", "tree")
+
+
+@dataclass(init=False)
 class SampleRecord:
     """Outcome of one method variant on one turn of one benchmark sample.
 
-    ``turn`` is 0-based (MT-Bench has turns 0 and 1). ``budget``: node budget of a fixed tree (int), a policy name
-    such as ``"auto"`` (str; DFlash's ``"chain-auto"``; a user policy's name), or None (AR, PLD, DFlash chain).
-    ``policy``: how a round's proposal is shaped (``ar``, ``chain``, ``fixed``, ``lookup``, ``custom``, or the
-    budget's policy name). ``decode_s`` is the wall time after prefill until the last
-    token (prefill excluded); speedups compare ``decode_s / num_new_tokens``. ``acceptance_lengths``: tokens committed
-    per round including the bonus token (AR: all ones). ``matches_ar``: at T = 0 whether the new tokens equal AR's,
-    None where not compared. ``tree``: DDTree's tree kind (``"topk"`` or ``"sampled"``, see ``TREE_KINDS``); None
-    for AR and DFlash, and in records written before the field existed (DDTree: top-K). ``extra``: free-form
-    per-round details (e.g. ``extra["tree_sizes"]``, ``extra["lookup_tokens"]``). Records written before
-    ``chain-auto`` was filed under DFlash (method ``ddtree``) are read as DFlash's.
+    ``variant``: the method variant's canonical name (:class:`Variant`, e.g. ``"ddtree:B=32"``); ``spec`` is the
+    parsed spec and ``method``, ``budget``, ``policy``, ``tree`` read off it. ``turn`` is 0-based (MT-Bench has turns
+    0 and 1). ``decode_s`` is the wall time after prefill until the last token (prefill excluded); speedups compare
+    ``decode_s / num_new_tokens``. ``acceptance_lengths``: tokens committed per round including the bonus token (AR:
+    all ones). ``matches_ar``: at T = 0 whether the new tokens equal AR's, None where not compared. ``extra``:
+    free-form per-round details (e.g. ``extra["tree_sizes"]``, ``extra["lookup_tokens"]``).
+
+    The fields of schema version 1 (``method``, ``budget``, ``policy``, ``tree``) are still accepted as keywords
+    instead of ``variant``, and in older files: :func:`legacy_variant` turns them into the spec.
     """
 
     dataset: str
     sample_id: str
     turn: int
-    method: str
-    budget: int | str | None
-    policy: str
+    variant: str
     temperature: float
     num_input_tokens: int
     num_new_tokens: int
@@ -199,24 +156,60 @@ class SampleRecord:
     matches_ar: bool | None = None
     seed: int | None = None
     dtype: str | None = None
-    tree: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
 
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"unknown method {self.method!r}; expected one of {METHODS}")
-        if self.tree is not None and not isinstance(self.tree, str):
-            raise TypeError(f"tree must be a str or None, got {self.tree!r}")
-        if hasattr(self.budget, "item") and not isinstance(self.budget, str):  # numpy / torch scalar
-            self.budget = self.budget.item()
-        if isinstance(self.budget, bool) or not (self.budget is None or isinstance(self.budget, (int, str))):
-            raise TypeError(f"budget must be int, str or None, got {self.budget!r}")
-        self.sample_id = str(self.sample_id)
-        self.turn = int(self.turn)
-        self.temperature = float(self.temperature)
+    def __init__(self, dataset: str, sample_id: Any, turn: int, variant: Variant | str | None = None,
+                 temperature: float = 0.0, num_input_tokens: int = 0, num_new_tokens: int = 0,
+                 prefill_s: float = 0.0, decode_s: float = 0.0, acceptance_lengths: list[int] | None = None,
+                 stage_times: dict[str, float] | None = None, matches_ar: bool | None = None,
+                 seed: int | None = None, dtype: str | None = None, extra: dict[str, Any] | None = None,
+                 schema_version: int = SCHEMA_VERSION, **legacy: Any) -> None:
+        self.extra = dict(extra or {})
+        if legacy:
+            if variant is not None or not set(legacy) <= set(_LEGACY_FIELDS) or "method" not in legacy:
+                raise TypeError(f"give a record either variant= or the version-1 fields {_LEGACY_FIELDS} (method "
+                                f"required), got variant={variant!r} and {sorted(legacy)}")
+            variant = legacy_variant(legacy["method"], legacy.get("budget"), legacy.get("policy"),
+                                     legacy.get("tree"), self.extra.pop("policy_class", None))
+            schema_version = SCHEMA_VERSION  # migrated: from here on it is a version-2 record
+        if variant is None:
+            raise TypeError("a record needs its variant: variant=Variant(...) or its name, e.g. 'ddtree:B=32'")
+        spec = variant if isinstance(variant, Variant) else Variant.parse(variant)
+        self.dataset, self.sample_id, self.turn, self.variant = dataset, str(sample_id), int(turn), spec.name
+        self.temperature, self.num_input_tokens, self.num_new_tokens = float(temperature), num_input_tokens, \
+            num_new_tokens
+        self.prefill_s, self.decode_s, self.matches_ar, self.seed, self.dtype = \
+            prefill_s, decode_s, matches_ar, seed, dtype
+        self.acceptance_lengths = list(acceptance_lengths or [])
+        self.stage_times = dict(stage_times or {})
+        self.schema_version = schema_version
         if self.turn < 0 or self.num_new_tokens < 0 or self.num_input_tokens < 0:
             raise ValueError("turn, num_input_tokens and num_new_tokens must be >= 0")
+
+    # -- the variant, read off its spec
+    @property
+    def spec(self) -> Variant:
+        return Variant.parse(self.variant)
+
+    @property
+    def method(self) -> str:
+        return self.spec.method
+
+    @property
+    def budget(self) -> int | str | None:
+        return self.spec.budget
+
+    @property
+    def policy(self) -> str:
+        return self.spec.policy
+
+    @property
+    def tree(self) -> str | None:
+        """DDTree's tree kind (``"topk"`` or ``"sampled"``); None for the other methods."""
+        return self.spec.tree
+
+    tree_kind = tree
 
     # -- derived values
     @property
@@ -228,20 +221,15 @@ class SampleRecord:
         """Mean committed tokens per round of this sample (None when no rounds were recorded)."""
         return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else None
 
-    @property
-    def tree_kind(self) -> str | None:
-        """"topk" / "sampled" for DDTree (older records: "topk"), None for AR and DFlash."""
-        return tree_kind(self.method, self.tree)
-
     def record_key(self) -> tuple:
-        """Identity for resuming: (dataset, sample_id, turn, method, budget, temperature), plus the tree kind
-        for trees other than top-K and ``"lookup"`` for DDTree trees with lookup branches."""
-        return record_key(self.dataset, self.sample_id, self.turn, self.method, self.budget, self.temperature,
-                          self.tree, self.policy)
+        """Identity for resuming: (dataset, sample_id, turn, the variant's key, temperature) (:func:`record_key`)."""
+        return record_key(self.dataset, self.sample_id, self.turn, self.spec, self.temperature)
 
     # -- serialization
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields, plus read-only copies of ``method``, ``budget``, ``policy`` and ``tree`` derived from
+        ``variant`` for tools that read the raw JSON by the version-1 names; :meth:`from_dict` ignores them."""
+        return {**dataclasses.asdict(self), **{name: getattr(self, name) for name in _LEGACY_FIELDS}}
 
     def to_json(self) -> str:
         """One line of JSON (no newline inside; strict JSON: NaN/inf are refused)."""
@@ -249,13 +237,15 @@ class SampleRecord:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SampleRecord":
-        known = {f.name for f in dataclasses.fields(cls)}
+        """A record from its JSON object; version-1 objects (method / budget / policy / tree) go through
+        :func:`legacy_variant`. Keys this version does not know are kept in ``extra``."""
+        known = {f.name for f in dataclasses.fields(cls)} | set(_LEGACY_FIELDS)
+        if "variant" in data:  # the version-1 names are derived copies (to_dict)
+            data = {k: v for k, v in data.items() if k not in _LEGACY_FIELDS}
         kwargs = {k: v for k, v in data.items() if k in known}
         unknown = {k: v for k, v in data.items() if k not in known}
         if unknown:  # written by a newer version: keep the values instead of dropping them
             kwargs["extra"] = {**unknown, **dict(kwargs.get("extra") or {})}
-        if kwargs.get("method") == "ddtree" and kwargs.get("budget") == "chain-auto":  # written before it was DFlash's
-            kwargs.update(method="dflash", tree=None)
         try:
             return cls(**kwargs)
         except TypeError as err:
@@ -269,16 +259,12 @@ class SampleRecord:
         return cls.from_dict(data)
 
 
-def record_key(dataset: str, sample_id: Any, turn: int, method: str, budget: int | str | None,
-               temperature: float, tree: str | None = None, policy: str | None = None) -> tuple:
-    """The resume key of a record that is about to be produced (same normalisation as SampleRecord). The tree kind
-    is appended only for trees other than top-K, and ``"lookup"`` only for DDTree's lookup trees (``policy``), so
-    keys of older records stay what they were."""
-    key = (dataset, str(sample_id), int(turn), method, budget, float(temperature))
-    kind = tree_kind(method, tree)
-    if kind not in (None, "topk"):
-        key += (kind,)
-    return key + ("lookup",) if method == "ddtree" and policy == LOOKUP_POLICY else key
+def record_key(dataset: str, sample_id: Any, turn: int, variant: Variant, temperature: float) -> tuple:
+    """The resume key of a record, also of one about to be produced: (dataset, sample_id, turn, *variant.key,
+    temperature), normalised as SampleRecord normalises them (the same shape as before the spec, older run folders
+    resume)."""
+    method, budget, *kind = variant.key
+    return (dataset, str(sample_id), int(turn), method, budget, float(temperature), *kind)
 
 
 def append_record(path: str | os.PathLike, record: SampleRecord) -> None:

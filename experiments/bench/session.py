@@ -21,9 +21,9 @@ from experiments.bench.conversation import Conversation
 from experiments.bench.models import Models
 from experiments.bench.presets import Preset
 from experiments.bench.run_folder import RunFolder
-from experiments.bench.schema import EXTRA_AR_MARGIN, EXTRA_LOOKUP_TOKENS, EXTRA_TREE_SIZES, SampleRecord, method_label
+from experiments.bench.schema import EXTRA_AR_MARGIN, EXTRA_LOOKUP_TOKENS, EXTRA_TREE_SIZES, SampleRecord, record_key
 from experiments.bench.sizing import TurnCosts
-from experiments.bench.variants import Variant
+from experiments.bench.variants import Variant, generate
 
 if TYPE_CHECKING:
     from experiments.bench.replayer import Replayer
@@ -85,11 +85,9 @@ def _record(variant: Variant, conv: Conversation, turn: int, result, seed: int, 
                                         for x in result.expected_acceptance]
     if getattr(result, "lookup_tokens", None) is not None:  # committed tokens that came from lookup nodes
         extra[EXTRA_LOOKUP_TOKENS] = int(sum(result.lookup_tokens))
-    if variant.policy_class is not None:
-        extra["policy_class"] = variant.policy_class
     return SampleRecord(
-        dataset=conv.item.dataset, sample_id=conv.item.sample_id, turn=turn, method=variant.method,
-        budget=variant.budget, policy=variant.policy, temperature=conv.temperature, tree=variant.tree,
+        dataset=conv.item.dataset, sample_id=conv.item.sample_id, turn=turn, variant=variant,
+        temperature=conv.temperature,
         num_input_tokens=result.num_input_tokens, num_new_tokens=len(result.new_token_ids),
         prefill_s=float(timings.pop("prefill", 0.0)), decode_s=float(timings.pop("decode", 0.0)),
         acceptance_lengths=list(result.acceptance_lengths), stage_times={k: float(v) for k, v in timings.items()},
@@ -125,20 +123,19 @@ class Session:
 
     def pending(self, conv: Conversation) -> int:
         item = conv.item
-        return sum(v.key(item.dataset, item.sample_id, turn, conv.temperature) not in self.done
+        return sum(record_key(item.dataset, item.sample_id, turn, v, conv.temperature) not in self.done
                    for turn in range(conv.num_turns) for v in self.at(conv.temperature))
 
     def _generate(self, variant: Variant, input_ids: torch.Tensor, temperature: float, seed: int):
         t0 = time.perf_counter()
-        result = variant.generate(self.models, input_ids, self.preset.max_new_tokens, temperature, seed)
+        result = generate(variant, self.models, input_ids, self.preset.max_new_tokens, temperature, seed)
         return result, time.perf_counter() - t0
 
     def _write(self, record: SampleRecord) -> None:
         self.folder.append(record)
         self.done[record.record_key()] = record
         self.progress.update(1)
-        label = method_label(record.method, record.policy, record.budget, record.tree)
-        self.progress.set_postfix_str(f"{record.dataset} {label} τ={record.tau or 0:.2f}", refresh=False)
+        self.progress.set_postfix_str(f"{record.dataset} {record.spec.label} τ={record.tau or 0:.2f}", refresh=False)
         if self.remaining is not None:
             self.remaining -= 1
             if self.remaining <= 0:
@@ -149,7 +146,7 @@ class Session:
         measured and nothing needs it."""
         item, t = conv.item, conv.temperature
         if self.ar is not None:
-            record = self.done.get(self.ar.key(item.dataset, item.sample_id, turn, t))
+            record = self.done.get(record_key(item.dataset, item.sample_id, turn, self.ar, t))
             if record is not None and "output_ids" in record.extra:
                 return list(record.extra["output_ids"])
             result, wall = self._generate(self.ar, input_ids, t, seed)
@@ -164,8 +161,8 @@ class Session:
         item, t = conv.item, conv.temperature
         answers: list[str] = []
         for turn in range(conv.num_turns):
-            keys = {v: v.key(item.dataset, item.sample_id, turn, t) for v in self.at(t)}
-            later_pending = any(v.key(item.dataset, item.sample_id, later, t) not in self.done
+            keys = {v: record_key(item.dataset, item.sample_id, turn, v, t) for v in self.at(t)}
+            later_pending = any(record_key(item.dataset, item.sample_id, later, v, t) not in self.done
                                 for later in range(turn + 1, conv.num_turns) for v in self.at(t))
             if not later_pending and all(k in self.done for k in keys.values()) and not self._replay_pending(
                     conv, turn):
@@ -194,13 +191,13 @@ class Session:
         """Whether this turn still waits for its replay (plain decoding's replayed row is written last)."""
         if self.replayer is None or self.ar is None:
             return False
-        return self.ar.key(conv.item.dataset, conv.item.sample_id, turn, conv.temperature) not in self.replayed
+        return record_key(conv.item.dataset, conv.item.sample_id, turn, self.ar, conv.temperature) not in self.replayed
 
     def _replay(self, conv: Conversation, turn: int, input_ids: torch.Tensor, reference: list[int] | None) -> None:
         """Replay this turn's rounds for every replayed policy on plain decoding's output (once per turn)."""
         if reference is None or not self._replay_pending(conv, turn):
             return
-        base = self.done.get(self.ar.key(conv.item.dataset, conv.item.sample_id, turn, conv.temperature))
+        base = self.done.get(record_key(conv.item.dataset, conv.item.sample_id, turn, self.ar, conv.temperature))
         if base is None:
             return
         records = self.replayer.replay_turn(base, input_ids, reference)
@@ -241,8 +238,8 @@ class Session:
         t = max((c.temperature for c in todo), default=0.0)  # sampling accepts less: size for the slowest
         per_token, per_call = {}, {}
         for variant in self.variants:
-            variant.generate(self.models, input_ids, self.preset.warmup_tokens, t, 0)
-            result = variant.generate(self.models, input_ids, self.preset.warmup_tokens, t, 0)
+            generate(variant, self.models, input_ids, self.preset.warmup_tokens, t, 0)
+            result = generate(variant, self.models, input_ids, self.preset.warmup_tokens, t, 0)
             per_token[variant] = result.timings.get("decode", 0.0) / max(1, len(result.new_token_ids) - 1)
             per_call[variant] = result.timings.get("prefill", 0.0)
             if variant.method == "ar" and self.replayer is not None:  # one replayed turn, scaled to the run's

@@ -12,14 +12,10 @@ from collections import defaultdict
 from typing import Iterable
 
 from experiments.bench.schema import (
-    SampleRecord, dataset_label, dataset_sort_key, lookup_share, method_label, paired_speedup, variant_sort_key,
+    SampleRecord, dataset_label, dataset_sort_key, lookup_share, paired_speedup,
 )
 
 __all__ = ["summary_rows", "summary_table"]
-
-
-def _variant(r: SampleRecord) -> tuple:
-    return (r.method, r.policy, r.budget, r.tree_kind)
 
 
 def summary_rows(records: Iterable[SampleRecord]) -> list[dict]:
@@ -27,20 +23,20 @@ def summary_rows(records: Iterable[SampleRecord]) -> list[dict]:
     equal to plain decoding's), compared, lookup (share of committed tokens from lookup nodes), n."""
     groups: dict[tuple, dict[tuple, list[SampleRecord]]] = defaultdict(lambda: defaultdict(list))
     for r in records:
-        groups[(r.dataset, r.temperature)][_variant(r)].append(r)
+        groups[(r.dataset, r.temperature)][r.spec].append(r)
     rows = []
     for (dataset, temperature), variants in groups.items():
-        ar = {(r.sample_id, r.turn): r for v, rs in variants.items() if v[0] == "ar" for r in rs}
+        ar = {(r.sample_id, r.turn): r for v, rs in variants.items() if v.method == "ar" for r in rs}
         for variant, rs in variants.items():
             pairs = [(ar[(r.sample_id, r.turn)], r) for r in rs if (r.sample_id, r.turn) in ar]
             rounds = sum(len(r.acceptance_lengths) for r in rs)
             compared = [r.matches_ar for r in rs if r.matches_ar is not None]
             rows.append({"dataset": dataset, "temperature": temperature, "variant": variant,
-                         "label": method_label(*variant), "speedup": paired_speedup(pairs),
+                         "label": variant.label, "speedup": paired_speedup(pairs),
                          "tau": sum(sum(r.acceptance_lengths) for r in rs) / rounds if rounds else None,
                          "equal": sum(compared) / len(compared) if compared else None, "compared": len(compared),
                          "lookup": lookup_share(rs), "n": len(rs)})
-    rows.sort(key=lambda row: (dataset_sort_key(row["dataset"]), row["temperature"], variant_sort_key(*row["variant"])))
+    rows.sort(key=lambda row: (dataset_sort_key(row["dataset"]), row["temperature"], row["variant"].sort_key))
     return rows
 
 
