@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import DFlashConfig
+from .files import atomic_write
 from .markov import MarkovHead
 
 __all__ = ["DFlashDraftModel", "DraftCache", "load_draft", "rope_frequencies", "window_mask"]
@@ -385,9 +386,8 @@ class DFlashDraftModel(nn.Module):
                  for k, v in self.state_dict().items()}
         extra["torch_dtype"] = str(next(v for v in state.values() if v.is_floating_point()).dtype).removeprefix("torch.")
         config = DFlashConfig(**{**self.config.__dict__, "extra": extra})
-        tmp = folder / "model.safetensors.tmp"
-        save_file(state, str(tmp), metadata={"format": "pt"})
-        tmp.replace(folder / "model.safetensors")
+        atomic_write(folder / "model.safetensors",  # a killed save leaves the old weights, never half of new ones
+                     lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
         config.save(folder)
 
     @classmethod

@@ -28,8 +28,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..model import DFlashDraftModel
 from ..blocks import block_inputs
+from ..files import save_atomic
+from ..model import DFlashDraftModel
 from .anchors import position_weights, sample_anchors
 from .train_config import TrainConfig
 from .loss import SequenceFeatures, sequence_loss, target_features
@@ -69,10 +70,8 @@ class TrainState:
 
 
 def _save_checkpoint(path: Path, draft, optimizer, state: TrainState) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(),
-                "state": dataclasses.asdict(state), "config": draft.config.to_dict()}, tmp)
-    tmp.replace(path)
+    save_atomic({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(),
+                 "state": dataclasses.asdict(state), "config": draft.config.to_dict()}, path)
 
 
 def load_checkpoint(path: Path, device: torch.device | str = "cpu") -> dict:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ..files import write_text_atomic
+from ..files import save_atomic, write_text_atomic
 from ..markov import MARKOV_KINDS, attach_markov_head, draft_index
 from ..model import load_draft
 from ..target import tapped_forward
@@ -235,9 +235,7 @@ def main(argv=None) -> None:
         stored["response_tokens"] = torch.tensor(sum(len(i) - p for i, p in seqs[:n]))
         stored["collect_seconds"] = torch.tensor(time.perf_counter() - t0)
         if positions is not None:
-            tmp = positions.with_suffix(".tmp")
-            torch.save(stored, tmp)
-            tmp.replace(positions)
+            save_atomic(stored, positions)
     print(f"collected {len(stored['w'])} positions from {int(stored['sequences'])} sequences "
           f"({int(stored['response_tokens'])} response tokens) in {float(stored['collect_seconds']) / 60:.1f} min",
           flush=True)
