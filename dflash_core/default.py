@@ -72,7 +72,8 @@ def _check_gguf_reader() -> None:
     if importlib.util.find_spec("gguf") is None:
         raise ModuleNotFoundError(
             f"reading the embedded target's {GGUF_FILE} needs the `gguf` package, which is not installed: "
-            "`pip install gguf` (offline: its wheel from a wheelhouse, `pip install --no-index --find-links DIR gguf`). "
+            "`pip install gguf` (offline: its wheel from a wheelhouse, "
+            "`pip install --no-index --find-links DIR gguf`). "
             "It is needed once: the dequantized copy is cached afterwards")
 
 

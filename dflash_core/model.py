@@ -384,7 +384,8 @@ class DFlashDraftModel(nn.Module):
         # integer buffers (the draft vocabulary's token ids) keep their dtype: a bf16 cast would round ids above 256
         state = {k: v.detach().to(dtype if dtype is not None and v.is_floating_point() else v.dtype).contiguous().cpu()
                  for k, v in self.state_dict().items()}
-        extra["torch_dtype"] = str(next(v for v in state.values() if v.is_floating_point()).dtype).removeprefix("torch.")
+        floating = next(v for v in state.values() if v.is_floating_point())
+        extra["torch_dtype"] = str(floating.dtype).removeprefix("torch.")
         config = DFlashConfig(**{**self.config.__dict__, "extra": extra})
         atomic_write(folder / "model.safetensors",  # a killed save leaves the old weights, never half of new ones
                      lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))

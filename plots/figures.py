@@ -49,7 +49,9 @@ def _tradeoff_lines(stats: list[Stats], temperature: float,
                     datasets: list[str]) -> dict[str, dict[str, list[Stats]]]:
     """{kind: {dataset: stats by budget}} of the lines drawn against the budget: top-K, sampled and lookup trees."""
     def kind_of(s: Stats) -> str | None:
-        return "fixed" if s.is_fixed_tree else "sampled" if s.is_sampled_tree else "lookup" if s.is_lookup_tree else None
+        if s.is_fixed_tree:
+            return "fixed"
+        return "sampled" if s.is_sampled_tree else "lookup" if s.is_lookup_tree else None
 
     return {kind: {d: sorted((s for s in find(stats, d, temperature, "ddtree") if kind_of(s) == kind),
                              key=lambda s: s.budget) for d in datasets}

@@ -126,7 +126,8 @@ def plot_speedup(stats: list[Stats], temperature: float, out_dir: str | Path, *,
     if not families:
         return []
     datasets = [d for d, t in groups_of(stats) if t == temperature
-                and any(s.speedup is not None and s.method != "ar" for s in stats if s.dataset == d and s.temperature == t)]
+                and any(s.speedup is not None and s.method != "ar"
+                        for s in stats if s.dataset == d and s.temperature == t)]
     show_mean = len(datasets) > 1
     widest = max(len(m) for m in families.values())
     with matplotlib.rc_context(STYLE):

@@ -11,7 +11,8 @@ from plots.metrics import ORACLE_LABEL, Stats, compute_stats, groups_of, headlin
 
 _HEADER = ("Dataset", "T", "Method", "Speedup", "Per-prompt median [95% CI]", "τ", "Equal / up to near-ties", "n")
 FOOTNOTE = (f"Speedup = AR time per token ÷ method time per token (token-weighted over samples both finished); "
-             f"τ = mean tokens committed per round; {ORACLE_LABEL} = best fixed budget chosen after the fact. Per-prompt median: "
+            f"τ = mean tokens committed per round; {ORACLE_LABEL} = best fixed budget chosen after the fact. "
+            f"Per-prompt median: "
             f"paired with AR on the same prompt, bootstrap 95% interval; ≈ marks an interval that contains 1 (within "
             f"noise of AR). Equal: outputs identical to plain decoding's; up to near-ties: identical, or first leaving "
             f"it at a token where plain decoding's top-2 logit margin is below {NEAR_TIE_MARGIN} (bf16 multi-token "

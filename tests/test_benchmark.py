@@ -19,7 +19,7 @@ from experiments.bench.models import ByteTokenizer
 from experiments.bench.variants import Variant, make_variants
 from dflash_core.pools.catalog import build_chat, select_items
 from experiments.bench.presets import PRESETS, TINY, ModelPair, Preset, get_preset, with_overrides
-from experiments.bench.schema import Manifest, read_records
+from experiments.bench.schema import Manifest, read_records, record_key
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -38,7 +38,7 @@ def expected_keys(preset: Preset) -> set[tuple]:
         for dataset in preset.datasets:
             for item in select_items(dataset, preset.samples_for(dataset), preset.seed):
                 for turn in range(len(item.turns)):
-                    keys |= {v.key(dataset, item.sample_id, turn, t) for v in variants}
+                    keys |= {record_key(dataset, item.sample_id, turn, v, t) for v in variants}
     return keys
 
 
@@ -116,7 +116,8 @@ def test_tiny_run_writes_complete_valid_records(tiny_run):
     assert manifest.extra["pair"]["target"] == "tiny" and manifest.extra["preset"]["max_new_tokens"] == 12
     assert not list(tiny_run.glob("records.rank*.jsonl"))
     curve = manifest.extra["sessions"][-1]["cost_curve"]  # the machine's round cost curve, and what it means
-    assert curve["nodes"][0] == 0 and len(curve["verify_s"]) == len(curve["nodes"]) and "machine" in curve["explanation"]
+    assert curve["nodes"][0] == 0 and len(curve["verify_s"]) == len(curve["nodes"])
+    assert "machine" in curve["explanation"]
 
 
 def test_methods_run_interleaved_and_second_turn_continues_ar(tiny_run):
@@ -145,7 +146,7 @@ def test_rerun_skips_finished_work(tiny_run, monkeypatch, capsys):
     def no_generation(*args, **kwargs):
         raise AssertionError("a finished run must not generate again")
 
-    monkeypatch.setattr(Variant, "generate", no_generation)
+    monkeypatch.setattr("experiments.bench.session.generate", no_generation)
     assert benchmark.main(["--preset", "tiny", "--out", str(tiny_run)]) == 0
     assert (tiny_run / "records.jsonl").read_bytes() == before
     assert "DDTree (B=16)" in capsys.readouterr().out  # the summary table is printed again
@@ -414,7 +415,8 @@ def test_manifest_is_read_once_and_written_once_per_event(tmp_path, monkeypatch)
     monkeypatch.setattr(Manifest, "read", classmethod(lambda cls, path: reads.append(path) or real_read(cls, path)))
     monkeypatch.setattr(Manifest, "write", lambda self, path: writes.append(path) or real_write(self, path))
     out = tmp_path / "events"
-    args = ["--preset", "tiny", "--out", str(out), "--datasets", "gsm8k", "--max-samples", "1", "--methods", "ar,dflash"]
+    args = ["--preset", "tiny", "--out", str(out), "--datasets", "gsm8k", "--max-samples", "1",
+            "--methods", "ar,dflash"]
     assert benchmark.main(args) == 0
     # a new folder: session start, the cost curves the replay prices with, sizing, session end
     assert reads == [] and len(writes) == 4

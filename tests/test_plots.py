@@ -140,7 +140,8 @@ def table_row(table: str, dataset: str, temperature: str, method: str) -> list[s
 
 def test_summary_table_numbers(runs):
     table = summary_table(load_records(runs))
-    assert table_row(table, "GSM8K", "0", "DFlash")[3:8] == ["2.69×", "2.75 [2.50, 3.00]", "3.00", "50% / 50% (2)", "2"]
+    assert table_row(table, "GSM8K", "0", "DFlash")[3:8] == ["2.69×", "2.75 [2.50, 3.00]", "3.00", "50% / 50% (2)",
+                                                             "2"]
     assert table_row(table, "GSM8K", "0", "DDTree (oracle budget), B=32")[3] == "4.67×"
     assert table_row(table, "GSM8K", "0", "DDTree (B=32)")[5] == "5.00"
     assert table_row(table, "GSM8K", "0", "AR")[3:6] == ["1.00×", "1.00 [1.00, 1.00]", "1.00"]

@@ -69,7 +69,8 @@ def test_size_run_keeps_the_minimum_samples_before_later_turns_and_budgets():
 
     from experiments.bench.sizing import Unit, size_run
 
-    variants = [Variant("ar"), Variant("dflash"), Variant("ddtree", 8), Variant("ddtree", 16), Variant("ddtree", "auto")]
+    variants = [Variant("ar"), Variant("dflash"), Variant("ddtree", 8), Variant("ddtree", 16),
+                Variant("ddtree", "auto")]
     datasets = ("gsm8k", "mt-bench", "grounded")
     units, index = [], 0
     for d in datasets:

@@ -35,7 +35,8 @@ from .anchors import position_weights, sample_anchors
 from .train_config import TrainConfig
 from .loss import SequenceFeatures, sequence_loss, target_features
 
-__all__ = ["TrainState", "load_checkpoint", "train", "make_optimizer", "optimizer_step", "batch_weight", "init_distributed", "setup_logging", "export_drafter"]
+__all__ = ["TrainState", "load_checkpoint", "train", "make_optimizer", "optimizer_step", "batch_weight",
+           "init_distributed", "setup_logging", "export_drafter"]
 
 
 def _lr_factor(progress: float, warmup_frac: float, min_ratio: float) -> float:

@@ -137,8 +137,8 @@ class Replayer:
     def estimate_turn_s(self, input_ids: torch.Tensor, output_ids: Sequence[int], temperature: float,
                         generated_with: int) -> float:
         """Seconds one replayed turn of the run's ``max_new_tokens`` is projected to take here: one turn on the
-        (short) ``output_ids`` (plain decoding's with ``generated_with`` new tokens at most) timed, the part that grows with the tokens (the rounds) scaled to ``max_new_tokens``. The
-        round memories are left as they were."""
+        (short) ``output_ids`` (plain decoding's with ``generated_with`` new tokens at most) timed, the part that
+        grows with the tokens (the rounds) scaled to ``max_new_tokens``. The round memories are left as they were."""
         from dflash_core.replay import draft_hidden_all_rounds
 
         output_ids = list(output_ids)

@@ -1,9 +1,9 @@
 """The runner's closing summary on stdout: one Markdown row per dataset × temperature × method variant.
 
 Deliberately small and free of ``plots`` (``experiments`` never imports it): speedup (the token-weighted definition
-shared with plots, ``experiments.bench.schema.paired_speedup``), τ, equality with plain decoding, the lookup share where
-a variant has one, and the count. The full tables (per-prompt intervals, the oracle budget, policies against it, stage
-times) and the figures come from ``python plot_results.py --runs <folder>``.
+shared with plots, ``experiments.bench.schema.paired_speedup``), τ, equality with plain decoding, the lookup share
+where a variant has one, and the count. The full tables (per-prompt intervals, the oracle budget, policies against it,
+stage times) and the figures come from ``python plot_results.py --runs <folder>``.
 """
 
 from __future__ import annotations
