@@ -343,3 +343,28 @@ def test_plot_colors_live_in_plots():
     from experiments.bench.schema import METHODS
 
     assert set(METHOD_COLORS) == set(METHODS) and "chain-auto" in VARIANT_COLORS
+
+
+def test_a_version_1_run_folder_plots_like_its_version_2_copy(tmp_path):
+    """Records written before the variant spec (method / budget / policy / tree, chain-auto filed under DDTree) are
+    read through the one migration: the tables of the old file equal those of the same records written today."""
+    base = ('"dataset":"gsm8k","sample_id":"%s","turn":0,"temperature":0.0,"num_input_tokens":9,"num_new_tokens":%d,'
+            '"prefill_s":0.0,"decode_s":%s,"acceptance_lengths":%s,"matches_ar":%s,"schema_version":1')
+    variants = [('"method":"ar","budget":null,"policy":"ar"', 12, "1.2", "[1,1,1,1,1,1,1,1,1,1,1,1]", "null"),
+                ('"method":"ddtree","budget":16,"policy":"fixed"', 12, "0.5", "[4,4,4]", "true"),
+                ('"method":"ddtree","budget":16,"policy":"lookup","tree":"topk"', 12, "0.4", "[6,6]", "true"),
+                ('"method":"ddtree","budget":"chain-auto","policy":"chain-auto"', 12, "0.6", "[3,3,3,3]", "true")]
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "records.jsonl").write_text("".join(
+        "{" + fields + "," + base % (sample, n, seconds, lengths, match) + "}\n"
+        for sample in ("0", "1") for fields, n, seconds, lengths, match in variants))
+    records = load_records(old)
+    assert sorted(r.variant for r in records) == sorted(
+        ["ar", "ddtree:B=16", "ddtree+lookup:B=16", "dflash:chain-auto"] * 2)
+    new = write_run(tmp_path / "new", records, created_at="2026-01-01T00:00:00+00:00")
+    table = summary_table(load_records(old))
+    assert table == summary_table(load_records(new))
+    for label in ("DDTree (B=16)", "DDTree+lookup (B=16)", "DFlash (auto)"):
+        assert table_row(table, "GSM8K", "0", label)[3] == {"DDTree (B=16)": "2.40×", "DDTree+lookup (B=16)": "3.00×",
+                                                            "DFlash (auto)": "2.00×"}[label]
