@@ -83,7 +83,7 @@ def make_policy(budget, target=None, draft=None, tree: str = "topk", temperature
 
     ``tree="sampled"`` needs an int budget; at ``temperature`` 0 it gives the top-K tree (nothing to sample). The
     sampled tree draws from the drafter at the decoding temperature with a generator seeded by ``seed``. A drafter
-    with a reduced vocabulary exposes its target ids (``d2t`` or ``draft_vocab``, [V'] draft index -> target id);
+    with a reduced vocabulary exposes its target ids (``draft_vocab``, [V'] draft index -> target id);
     they map the draft logits' columns when the loop hands over logits over those V' ids only (logits over the full
     target vocabulary, -inf outside the subset, need no map: those tokens get q = 0).
     """
@@ -94,9 +94,7 @@ def make_policy(budget, target=None, draft=None, tree: str = "topk", temperature
         if isinstance(budget, str):
             raise ValueError(f"tree='sampled' needs an int budget >= 0, got {budget!r}")
         if temperature > 0:
-            token_map = getattr(draft, "d2t", None)
-            if token_map is None:
-                token_map = getattr(draft, "draft_vocab", None)
+            token_map = getattr(draft, "draft_vocab", None)
             return SampledTreePolicy(budget, temperature, seed=seed, token_map=token_map)
     if budget == "chain":
         return Chain()

@@ -18,7 +18,7 @@ Three pieces, one idea each:
 
 Draft vocabularies: a drafter may score only a subset of V' target tokens. Handed logits over the whole target
 vocabulary with -inf outside the subset, the sampled tree needs nothing more (those tokens get q = 0). Handed logits
-over the V' subset columns, it needs ``token_map`` ([V'] draft index -> target token id, a drafter's ``d2t``): the
+over the V' subset columns, it needs ``token_map`` ([V'] draft index -> target token id, a drafter's ``draft_vocab``): the
 tree then stores target token ids, and the proposal rows stay over draft indices until verification spreads them over
 the target vocabulary. Either way tokens outside the subset have q = 0 and reach the output through the residual.
 
@@ -278,7 +278,7 @@ class SampledTreePolicy(BlockPolicy):
     drawn in the same order as if every row were computed at once (a bound above the exact rank surfaces no later),
     and a node whose children could never be drawn within the budget never costs a product.
 
-    ``token_map`` (the drafter's ``d2t``): when the draft logits have one column per entry of it, columns are draft
+    ``token_map`` (the drafter's ``draft_vocab``): when the draft logits have one column per entry of it, columns are draft
     indices and sampled tokens are mapped to target ids. ``rule`` is the verification rule the trees carry.
     """
 

@@ -49,7 +49,7 @@ def test_the_cpu_dry_run_writes_every_step_and_a_summary(tmp_path):
     assert set(projection["datasets"]) == {"math500", "gsm8k", "humaneval"}
     assert "PROJECTION" in steps["4-round-cost.json"]["shapes"]["label"]
     variants = steps["5-benchmark.json"]["variants"]
-    assert {"ar", "dflash", "ddtree:16"} <= set(variants) and variants["ddtree:16"]["equal_to_ar"] == 1
+    assert {"ar", "dflash", "ddtree:B=16"} <= set(variants) and variants["ddtree:B=16"]["equal_to_ar"] == 1
     assert steps["summary.json"]["steps"] == {"env": "ok", "verify": "ok", "exactness": "ok", "round_cost": "ok",
                                               "benchmark": "ok"}
     assert "summary" in done.stdout and "PROJECTION" in done.stdout and len(done.stdout.splitlines()) < 40

@@ -435,8 +435,8 @@ def test_records_keep_the_tree_kind_and_old_records_load():
     sampled = SampleRecord(**common, tree="sampled")
     assert SampleRecord.from_json(sampled.to_json()) == sampled and sampled.tree_kind == "sampled"
     old = json.loads(SampleRecord(**common).to_json())
-    del old["tree"]  # a record written before the field existed
-    old = SampleRecord.from_dict(old)
+    del old["variant"]  # a version-1 record from before the tree field: method, budget and policy only
+    old = SampleRecord.from_dict({**old, **{k: common[k] for k in ("method", "budget", "policy")}})
     assert old.tree_kind == "topk" and old.record_key() == ("gsm8k", "3", 0, "ddtree", 16, 1.0)
     assert SampleRecord(**common, tree="topk").record_key() == old.record_key() != sampled.record_key()
     assert method_label("ddtree", "fixed", 16, "sampled") == "DDTree sampled (B=16)"

@@ -227,9 +227,9 @@ class SampleRecord:
 
     # -- serialization
     def to_dict(self) -> dict[str, Any]:
-        """The fields, plus read-only copies of ``method``, ``budget``, ``policy`` and ``tree`` derived from
-        ``variant`` for tools that read the raw JSON by the version-1 names; :meth:`from_dict` ignores them."""
-        return {**dataclasses.asdict(self), **{name: getattr(self, name) for name in _LEGACY_FIELDS}}
+        """The fields: the variant once, by its canonical name (tools reading the raw JSON parse it with
+        :meth:`Variant.parse` or load the record with :meth:`from_dict`)."""
+        return dataclasses.asdict(self)
 
     def to_json(self) -> str:
         """One line of JSON (no newline inside; strict JSON: NaN/inf are refused)."""

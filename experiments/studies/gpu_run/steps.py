@@ -232,11 +232,14 @@ def embedded_pair_missing(gguf: str | None) -> str | None:
 
 def summarize_records(path: Path) -> dict[str, Any]:
     """Per variant: records, tokens, tau, tokens/s, median per-prompt speedup over plain decoding, equal outputs."""
+    from experiments.bench.schema import SampleRecord
+
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    ar = {(r["dataset"], r["sample_id"], r["turn"]): r for r in records if r["method"] == "ar"}
+    variants = [SampleRecord.from_dict(r).spec for r in records]
+    ar = {(r["dataset"], r["sample_id"], r["turn"]): r for r, v in zip(records, variants) if v.method == "ar"}
     out: dict[str, Any] = {}
-    for r in records:
-        key = r["method"] if r.get("budget") is None else f"{r['method']}:{r['budget']}"
+    for r, variant in zip(records, variants):
+        key = variant.name
         e = out.setdefault(key, {"records": 0, "tokens": 0, "rounds": 0, "decode_s": 0.0, "speedups": [],
                                  "equal_to_ar": 0})
         e["records"] += 1
