@@ -160,3 +160,13 @@ def record_masks(monkeypatch) -> list[bool]:
 
     monkeypatch.setattr(TargetAdapter, "forward", forward)
     return masks
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Torch on one thread for a module (``pytestmark = pytest.mark.usefixtures("one_thread")``): tiny models gain
+    nothing from threads, and on a busy 2-core machine threads make them crawl."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

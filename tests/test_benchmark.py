@@ -22,13 +22,7 @@ from experiments.bench.presets import PRESETS, TINY, ModelPair, Preset, get_pres
 from experiments.bench.schema import Manifest, read_records, record_key
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads, and on a busy 2-core machine threads make them crawl."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run on one thread
 
 
 def expected_keys(preset: Preset) -> set[tuple]:

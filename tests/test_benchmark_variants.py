@@ -13,13 +13,7 @@ from experiments.bench.schema import Manifest, read_records, record_key
 from experiments.bench.variants import Variant
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads, and on a busy 2-core machine threads make them crawl."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run on one thread
 
 
 def test_chain_auto_is_recorded_as_dflash(tmp_path, monkeypatch, capsys):
