@@ -1,0 +1,3 @@
+from experiments.studies.gpu_train.run import main
+
+main()
