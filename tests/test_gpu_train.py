@@ -83,7 +83,8 @@ def test_widened_vocabulary_keeps_every_old_score(kind):
     torch.testing.assert_close(bias_after[:, :20], bias_before)
     assert float(bias_after[:, 20:].detach().abs().max()) == 0.0  # new columns: the base logits alone
     # a token that was out of vocabulary and now has its own row scores as the bucket did
-    torch.testing.assert_close(draft.markov(torch.tensor([25]), hidden[:1]), draft.markov(torch.tensor([32]), hidden[:1]))
+    torch.testing.assert_close(draft.markov(torch.tensor([25]), hidden[:1]),
+                               draft.markov(torch.tensor([32]), hidden[:1]))
     with pytest.raises(ValueError, match="distinct ids"):
         widen_vocab(draft, ranked[:3], 40)
 

@@ -6,8 +6,8 @@ prompts rebuilt on this machine, since prompt sources differ between machines) a
 (:mod:`.run`) several arms (:mod:`.arms`: depth, draft vocabulary) train at once from the shipped drafter, each its own
 process for the same wall-clock minutes (:mod:`.worker`: joint training of every weight, a teacher-forced target pass
 per sequence, every response position an anchor). The target's greedy continuations of the protocol prompts are
-computed there, every drafter's rounds are replayed on them (:mod:`.evaluate`), and the best drafters' weights come
-back split into files under the transfer limit (:func:`.pack.join` rebuilds them).
+computed there, every drafter's rounds are replayed on them (:mod:`.protocol_replay`), and the best drafters'
+weights come back split into files under the transfer limit (:func:`.pack.join` rebuilds them).
 
     python -m experiments.studies.gpu_train pack --out .gpu/pack          # here: training and protocol data
     python -m experiments.studies.gpu_train smoke                         # on the GPU: a tiny end-to-end check

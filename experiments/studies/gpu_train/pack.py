@@ -1,9 +1,10 @@
 """What travels to the GPU and back: the packed training data, the protocol prompts, and drafters split into parts.
 
 :func:`pack` (on this machine) writes ``train.npz`` (every committed response shard's sequence with its prompt
-rebuilt here, minus the samples ``fit`` holds out; token ids as uint16 where the vocabulary allows) and ``protocol.json`` (the fixed protocol's
-prompt ids). :func:`split_drafter` (on the GPU) writes a drafter as safetensors parts no bigger than the transfer
-limit plus its config; :func:`join` (back here) rebuilds the drafter folder from them.
+rebuilt here, minus the samples ``fit`` holds out; token ids as uint16 where the vocabulary allows) and
+``protocol.json`` (the fixed protocol's prompt ids). :func:`split_drafter` (on the GPU) writes a drafter's weights as
+safetensors parts no bigger than the transfer limit; :func:`join` (back here) rebuilds the drafter folder from them
+and the config that ``results.json`` carries.
 """
 
 from __future__ import annotations

@@ -116,12 +116,12 @@ def run(a: argparse.Namespace) -> dict:
                          work / f"{arm}.log") for arm in arms}
     refs = work / "references.json"
     ref_args = ["references", "--refs", str(refs), "--max-new-tokens", str(a.max_new_tokens), *common]
-    procs["references"] = _spawn("evaluate", ref_args + (["--limit", str(a.limit)] if a.limit else []),
+    procs["references"] = _spawn("protocol_replay", ref_args + (["--limit", str(a.limit)] if a.limit else []),
                                  work / "references.log")
     codes = _wait(procs, until + 20)
     drafters = {"v6": init, "v4": work / "v4", **{arm: work / arm / "drafter" for arm in arms
                                                    if (work / arm / "drafter" / "model.safetensors").is_file()}}
-    evals = {label: _spawn("evaluate", ["replay", "--refs", str(refs), "--draft", str(path), "--label", label,
+    evals = {label: _spawn("protocol_replay", ["replay", "--refs", str(refs), "--draft", str(path), "--label", label,
                                         "--out", str(work / f"eval-{label}.json"), *common],
                            work / f"eval-{label}.log") for label, path in drafters.items()} if refs.is_file() else {}
     eval_codes = _wait(evals, deadline - 10)

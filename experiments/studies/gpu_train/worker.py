@@ -25,12 +25,14 @@ __all__ = ["main"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m experiments.studies.gpu_train.worker", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.studies.gpu_train.worker",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--arm", choices=sorted(ARMS), required=True)
     p.add_argument("--pack", required=True, help="folder with train.npz (experiments.studies.gpu_train pack)")
     p.add_argument("--init", required=True, help="the drafter every arm starts from")
     p.add_argument("--out", required=True)
-    p.add_argument("--minutes", type=float, default=None, help="training wall-clock budget (the lr schedule follows it)")
+    p.add_argument("--minutes", type=float, default=None,
+                   help="training wall-clock budget (the lr schedule follows it)")
     p.add_argument("--until", type=float, default=None,
                    help="instead of --minutes: train until this Unix time less --save-margin seconds, however long "
                         "the setup took (an orchestrator with a hard deadline passes it)")

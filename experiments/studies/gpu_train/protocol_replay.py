@@ -3,7 +3,7 @@
 ``references`` runs plain greedy decoding of the packed protocol prompts on the device (the text every drafter is
 scored on: on a GPU it can differ from a CPU's at bf16 near-ties, so the drafters are compared on this text, not
 against numbers measured elsewhere). ``replay`` scores one drafter per process, so several run side by side:
-``python -m experiments.studies.gpu_train.evaluate replay --draft DIR --label l3 ...``.
+``python -m experiments.studies.gpu_train.protocol_replay replay --draft DIR --label l3 ...``.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def replay(target, draft, label: str, pack: str | Path, refs_path: Path, budgets
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m experiments.studies.gpu_train.evaluate")
+    p = argparse.ArgumentParser(prog="python -m experiments.studies.gpu_train.protocol_replay")
     p.add_argument("what", choices=["references", "replay"])
     p.add_argument("--pack", required=True)
     p.add_argument("--refs", required=True, help="the continuations' JSON (written by 'references')")
