@@ -6,7 +6,7 @@ probability that node i's whole path is accepted, and costs ``round_seconds(N)``
 (:mod:`ddtree.cost`: measured once per machine and context bucket, then corrected online from the loop's own round
 timings).
 
-Each round :class:`AutoBudget` builds the tree up to a cap once and keeps the prefix that maximizes
+Each round :class:`AutoBudget` keeps the prefix of the tree at a cap that maximizes
 
 * the marginal rule (default): ``1 + sum a_i - rate * seconds(N)``, rate = committed tokens per modeled second over
   the rounds it remembers. This maximizes the long-run rate sum(tokens) / sum(seconds) (Dinkelbach's fixed point of
@@ -17,6 +17,10 @@ The a_i are the drafter's path probabilities calibrated online against what the 
 ``depth``: one factor per depth; ``edge``: a reliability curve of the drafter's conditional probabilities, one
 Bernoulli trial per edge whose parent was accepted, multiplied along each path; ``power``: p ** beta; ``bucket``: a
 reliability histogram over log p; ``none``: the drafter's own numbers), see :func:`calibrated_probs`.
+It builds only as far as that choice can reach (:mod:`ddtree.candidates`): twice the largest size verified over the
+last rounds, and the whole cap only in a round where :func:`~ddtree.candidates.settled_prefix` cannot rule out that
+a node left out would change the choice (``edge`` calibration: always the cap, a node's value there depends on its
+siblings), so the choice is always the full build's.
 ``python -m experiments.studies.auto_budget_study`` compares rules, calibrations and fixed budgets by offline replay
 under several cost curves; ``python -m experiments.studies.auto_oracle_study`` judges them against the per-dataset
 oracle as the benchmark does. Neither the rule, the calibration nor the
@@ -54,37 +58,12 @@ import torch
 from dflash_core.policy import BlockPolicy, DraftBlock, as_block
 from dflash_core.tree import DraftTree
 
-from .candidates import cap_tree
+from .candidates import BUILD_LOOKBACK, best_prefix, build_size, cap_tree, settled_prefix, truncate_tree
 from .cost import CostModel, OnlineCost, context_bucket, default_cap, measure_cost_model
 from .edges import EDGE_EDGES, edge_log_q, edge_probs
 
-__all__ = ["AutoBudget", "Round", "RoundMemory", "CALIBRATIONS", "RULES", "calibrated_probs", "best_prefix",
-           "truncate_tree", "forget_shared_memory", "model_identity"]
-
-
-# ---------------------------------------------------------------------------------------------------- the policy
-def best_prefix(path_probs: np.ndarray, cost: CostModel, rate: float | None = None,
-                seconds: np.ndarray | None = None) -> int:
-    """The tree size N in 0..len(path_probs) to verify (smallest N on ties).
-
-    ``rate=None`` (the ratio rule): argmax_N (1 + sum_{i<=N} p_i) / round_seconds(N), the best tokens per second of
-    this round alone. ``rate`` = lambda > 0 (the marginal rule): argmax_N (1 + sum_{i<=N} p_i) - lambda *
-    round_seconds(N), i.e. add nodes while each one's expected tokens pay for its cost at the run's long-run rate.
-    The marginal rule maximizes the long-run rate (sum tokens / sum seconds over many rounds) when lambda is that
-    rate (Dinkelbach): the ratio rule stops too early in confident rounds and too late in doubtful ones.
-    ``seconds``: ``cost.round_seconds(0..M)`` precomputed for some M >= len(path_probs) (saves the interpolation).
-    """
-    n = np.arange(len(path_probs) + 1)
-    gain = 1.0 + np.concatenate([[0.0], np.cumsum(path_probs)])
-    seconds = cost.round_seconds(n) if seconds is None else seconds[: len(n)]
-    if rate is None:
-        return int(np.argmax(gain / seconds))
-    return int(np.argmax(gain - rate * seconds))
-
-
-def truncate_tree(tree: DraftTree, n: int) -> DraftTree:
-    """The first ``n`` nodes of a best-first tree (a valid tree: every parent precedes its children)."""
-    return DraftTree(tree.token_ids[:n], tree.parents[:n], tree.depths[:n], tree.log_probs[:n])
+__all__ = ["AutoBudget", "Round", "RoundMemory", "CALIBRATIONS", "RULES", "calibrated_probs", "value_bound",
+           "best_prefix", "truncate_tree", "forget_shared_memory", "model_identity"]
 
 
 @dataclass(frozen=True)
@@ -218,13 +197,31 @@ def calibrated_probs(log_p: np.ndarray, depths: np.ndarray, rounds, method: str,
     return (memory.bucket_hits[mine] + prior * p) / (memory.bucket_nodes[mine] + prior)
 
 
+def value_bound(log_p: float, rounds, method: str, prior: float = 2.0) -> float:
+    """An upper bound on :func:`calibrated_probs` of every node whose path log-probability is at most ``log_p``, at
+    any depth (what :mod:`ddtree.candidates` needs to know of the nodes a build left out).
+
+    Every calibration but ``edge`` values a node by its path probability and depth alone, increasingly in p at a
+    given depth and within a bucket of log p; so the bound is the largest value at ``log_p`` and at the top of each
+    bucket below it, over all depths, raised by a relative 1e-9 so that rounding never puts a node above it.
+    ``edge`` scales a node by its siblings' share: no bound from the path probability alone (ValueError)."""
+    if method == "edge":
+        raise ValueError("the edge calibration values a node by its siblings too: it has no bound by path probability")
+    probe = np.concatenate([[log_p], _BUCKET_EDGES[_BUCKET_EDGES < log_p]])
+    depths = np.arange(1, _MAX_DEPTH + 1)
+    values = calibrated_probs(np.repeat(probe, len(depths)), np.tile(depths, len(probe)), rounds, method, prior)
+    return float(values.max()) * (1.0 + 1e-9)
+
+
 class AutoBudget(BlockPolicy):
     """Per-round tree size that maximizes committed tokens per second under the machine's cost curve.
 
-    Each round the best-first tree is built up to ``cap`` nodes (``chain=True``: the drafter's top-1 chain, i.e. a
-    DFlash block of chosen length), the nodes' acceptance probabilities are estimated (``calibrate``: see
+    Each round the best-first tree (``chain=True``: the drafter's top-1 chain, i.e. a DFlash block of chosen
+    length) is built as far as the choice can reach (:meth:`build_sizes`; the choice is always that of the tree
+    at ``cap`` nodes), the nodes' acceptance probabilities are estimated (``calibrate``: see
     :func:`calibrated_probs`) and the prefix to verify is chosen by ``rule`` (see :func:`best_prefix`; the marginal
-    rule uses the committed tokens per modeled second of the rounds remembered so far as its rate).
+    rule uses the committed tokens per modeled second of the rounds remembered so far as its rate). ``built``: the
+    nodes built per round, every build counted.
 
     ``cost``: the measured curve (:mod:`ddtree.cost`). ``clock`` (e.g. ``time.perf_counter``; what
     :meth:`for_models` passes): the policy times its rounds -- the clock between consecutive :meth:`propose` calls
@@ -260,6 +257,8 @@ class AutoBudget(BlockPolicy):
         self._pending: tuple | None = None  # (log_p, depths, modeled seconds, parents) of the round in flight
         self._timing: list | None = None  # [clock at the last propose, its size, history length, tokens committed]
         self.chosen: list[int] = []  # tree size picked each round (for studies)
+        self.built: list[int] = []  # nodes built each round, all builds together (for studies)
+        self._building = 0  # nodes built so far in the round in flight
         self._shared: tuple | None = None  # for_models: (memory key, online curve key) before the variant
 
     @classmethod
@@ -350,13 +349,17 @@ class AutoBudget(BlockPolicy):
         """The prefix of the best-first tree (or chain) worth verifying this round. ``block`` is the round's
         :class:`DraftBlock` (or logits with their ``token_map``, as callers of the older contract pass them)."""
         now = self.start_round(history)
-        full, probs = self.candidates(as_block(block, history, token_map), history)
-        n = self.choose(probs)
+        block = as_block(block, history, token_map)
+        for size in self.build_sizes():  # the last one is the cap, where a choice always comes
+            full, probs, beyond = self.candidates(block, history, size)
+            n = self.choose(probs, beyond)
+            if n is not None:
+                break
         self.remember(full.log_probs.double().numpy()[:n], full.depths.numpy()[:n], n, now, len(history),
                       parents=full.parents.numpy()[:n])
         return truncate_tree(full, n)  # a chain's prefix is a chain: verified without a mask
 
-    # The four steps of a round, public so that a policy can add candidates of its own (``ddtree.lookup``).
+    # The steps of a round, public so that a policy can add candidates of its own (``ddtree.lookup``).
     def start_round(self, history: list[int]) -> float | None:
         """Read the clock (when the policy times rounds) and close the previous round's timing."""
         now = self.clock() if self.clock is not None else None
@@ -364,18 +367,40 @@ class AutoBudget(BlockPolicy):
             self._time_round(now, len(history))
         return now
 
-    def candidates(self, block: DraftBlock, history: list[int]) -> tuple[DraftTree, np.ndarray]:
-        """The drafter's best tree (or chain) at the cap and its nodes' calibrated acceptance probabilities: under
-        the conditioned distribution when the drafter has a Markov head (``block.scorer``)."""
-        full = cap_tree(block, self.cap, self.chain, history)
-        ready = len(self.memory) >= self.warmup
-        probs = calibrated_probs(full.log_probs.double().numpy(), full.depths.numpy(), self.memory if ready else (),
-                                 self.calibrate, parents=full.parents.numpy())
-        return full, probs
+    def build_sizes(self) -> tuple[int, ...]:
+        """The tree sizes to try this round, in order, the last one the cap (built only when a smaller build could
+        not settle the choice): :func:`~ddtree.candidates.build_size` of the drafter nodes verified in the last
+        rounds remembered (so it follows the memory shared by ``share_as``); the cap alone for ``edge``."""
+        if self.calibrate == "edge":
+            return (self.cap,)
+        size = build_size((len(r.log_p) for r in itertools.islice(reversed(self.memory.rounds), BUILD_LOOKBACK)),
+                          self.cap)
+        return (size, self.cap) if size < self.cap else (self.cap,)
 
-    def choose(self, probs: np.ndarray) -> int:
-        """How many of the nodes (in the order of ``probs``, a valid tree order) to verify."""
-        return best_prefix(probs, self.curve, self.rate if self.rule == "marginal" else None, self._seconds)
+    def candidates(self, block: DraftBlock, history: list[int], size: int | None = None
+                   ) -> tuple[DraftTree, np.ndarray, float | None]:
+        """The drafter's best tree (or chain) of ``size`` nodes (default: the cap), its nodes' calibrated acceptance
+        probabilities, and a bound on the probability of every node it left out (:func:`value_bound`; None when it
+        left none out: the cap's tree, or one the drafter cannot fill). Under the conditioned distribution when the
+        drafter has a Markov head (``block.scorer``)."""
+        size = self.cap if size is None else min(size, self.cap)
+        tree = cap_tree(block, size, self.chain, history)
+        self._building += len(tree)
+        rounds = self.memory if len(self.memory) >= self.warmup else ()
+        probs = calibrated_probs(tree.log_probs.double().numpy(), tree.depths.numpy(), rounds, self.calibrate,
+                                 parents=tree.parents.numpy())
+        left_out = len(tree) == size < self.cap
+        return tree, probs, value_bound(float(tree.log_probs[-1]), rounds, self.calibrate) if left_out else None
+
+    def choose(self, probs: np.ndarray, beyond: float | None = None, exact: int | None = None) -> int | None:
+        """How many of the nodes (in the order of ``probs``, a valid tree order) to verify. ``beyond`` None:
+        ``probs`` is the complete list. Else its first ``exact`` values (default: all) are those of the complete list
+        and every later one is at most ``beyond``: the complete list's choice, or None when it cannot be told
+        (:func:`~ddtree.candidates.settled_prefix`)."""
+        rate = self.rate if self.rule == "marginal" else None
+        if beyond is None:
+            return best_prefix(probs, self.curve, rate, self._seconds)
+        return settled_prefix(probs, self._seconds, rate, len(probs) if exact is None else exact, beyond)
 
     def remember(self, log_p: np.ndarray, depths: np.ndarray, n: int, now: float | None, length: int,
                  parents: np.ndarray | None = None) -> None:
@@ -383,6 +408,8 @@ class AutoBudget(BlockPolicy):
         ``parents`` (indices among them; None when unknown: the round then teaches no edge statistics), what
         :meth:`observe` learns from, its modeled seconds, and the clock for the online curve."""
         self.chosen.append(n)
+        self.built.append(self._building)
+        self._building = 0
         self._pending = (log_p, depths, float(self._seconds[n]), parents)
         if now is not None:
             self._timing = [now, n, length, None]

@@ -1,20 +1,42 @@
-"""The drafter's best tree (or chain) at a node cap: what ``budget="auto"`` chooses a prefix of each round, and what
-the fixed part of its measured round cost times.
+"""The drafter's best tree (or chain) at a node cap, how far ``budget="auto"`` builds it, and which prefix it verifies.
 
-One function, below both users: the policy (:mod:`ddtree.budget`) proposes a prefix of this tree, and the cost
-measurement (:mod:`ddtree.cost`) times building it; the two must build the same tree, and neither module has to
-import the other for it.
+:func:`cap_tree` is one function below both of its users: the policy (:mod:`ddtree.budget`) proposes a prefix of this
+tree, and the cost measurement (:mod:`ddtree.cost`) times building it; the two must build the same tree, and neither
+module has to import the other for it.
+
+Building less than the cap without changing the choice. Both builders list nodes best first (path probabilities
+non-increasing, ties in a fixed order), so the tree of B nodes is the first B nodes of the tree at the cap, and a
+node's calibrated value depends on its own path probability and depth only (every calibration but ``edge``): the
+values of a small build are the first values of the full one. :func:`settled_prefix` then decides from the small
+build alone whether the full build could choose differently: every node left out has a path probability at most the
+last built one's, so its value is at most a bound the calibration gives (:func:`ddtree.budget.value_bound`); if
+even nodes of that value at every position up to the cap cannot beat the best prefix found, the full build chooses
+the same prefix (the same size and nodes). Otherwise ``auto`` builds the cap's tree as before. :func:`build_size`
+says how far to build first: twice the largest size verified over the last ``BUILD_LOOKBACK`` rounds (at least
+``BUILD_FLOOR``), so a choice that nears the build size raises it the next round, and a round that needs more than
+the build holds costs one rebuild at the cap, never a different choice.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Iterable
+
+import numpy as np
 
 from dflash_core.policy import Chain, DraftBlock
 from dflash_core.tree import DraftTree
 
 from .build import build_tree
 from .conditioned import build_markov_tree
+
+__all__ = ["BUILD_FLOOR", "BUILD_GROWTH", "BUILD_LOOKBACK", "best_prefix", "build_size", "cap_tree", "settled_prefix",
+           "truncate_tree"]
+
+BUILD_FLOOR = 16  # nodes auto builds first at least (also before it has verified any round)
+BUILD_GROWTH = 2  # ... and at least this many times the largest size verified over the last
+BUILD_LOOKBACK = 16  # rounds
+SLACK = 1e-9  # relative margin by which the left-out nodes must lose, so that float rounding cannot flip a choice
 
 
 def cap_tree(block: DraftBlock, cap: int, chain: bool, history: list[int]) -> DraftTree:
@@ -25,3 +47,63 @@ def cap_tree(block: DraftBlock, cap: int, chain: bool, history: list[int]) -> Dr
     if block.scorer is not None:
         return build_markov_tree(block.scorer, cap, block.root, block.token_map)
     return build_tree(block.logits, cap, token_map=block.token_map)
+
+
+def truncate_tree(tree: DraftTree, n: int) -> DraftTree:
+    """The first ``n`` nodes of a best-first tree (a valid tree: every parent precedes its children)."""
+    return DraftTree(tree.token_ids[:n], tree.parents[:n], tree.depths[:n], tree.log_probs[:n])
+
+
+def _gain(path_probs: np.ndarray) -> np.ndarray:
+    """Expected committed tokens of the prefixes N = 0..len(path_probs): 1 + sum_{i<=N} p_i."""
+    return 1.0 + np.concatenate([[0.0], np.cumsum(np.asarray(path_probs, dtype=float))])
+
+
+def _objective(gain: np.ndarray, seconds: np.ndarray, rate: float | None) -> np.ndarray:
+    """What the rule maximizes for the prefixes of these gains (see :func:`best_prefix`)."""
+    seconds = seconds[: len(gain)]
+    return gain / seconds if rate is None else gain - rate * seconds
+
+
+def best_prefix(path_probs: np.ndarray, cost, rate: float | None = None, seconds: np.ndarray | None = None) -> int:
+    """The tree size N in 0..len(path_probs) to verify (smallest N on ties).
+
+    ``rate=None`` (the ratio rule): argmax_N (1 + sum_{i<=N} p_i) / round_seconds(N), the best tokens per second of
+    this round alone. ``rate`` = lambda > 0 (the marginal rule): argmax_N (1 + sum_{i<=N} p_i) - lambda *
+    round_seconds(N), i.e. add nodes while each one's expected tokens pay for its cost at the run's long-run rate.
+    The marginal rule maximizes the long-run rate (sum tokens / sum seconds over many rounds) when lambda is that
+    rate (Dinkelbach): the ratio rule stops too early in confident rounds and too late in doubtful ones.
+    ``cost``: the :class:`~ddtree.cost.CostModel` (its ``round_seconds``); ``seconds``: ``cost.round_seconds(0..M)``
+    precomputed for some M >= len(path_probs) (saves the interpolation; ``cost`` is then not read).
+    """
+    if seconds is None:
+        seconds = np.asarray(cost.round_seconds(np.arange(len(path_probs) + 1)), dtype=float)
+    return int(np.argmax(_objective(_gain(path_probs), seconds, rate)))
+
+
+def settled_prefix(values: np.ndarray, seconds: np.ndarray, rate: float | None, exact: int,
+                   beyond: float) -> int | None:
+    """:func:`best_prefix` of a list known only in part, or None when the unknown part could change it.
+
+    ``values[:exact]`` are the complete list's first values; every later value of the complete list (at most
+    ``len(seconds) - 1`` entries in all, the cap) is at most ``beyond``. The choice among the first ``exact`` sizes is
+    the complete list's if no longer prefix can beat it even with every unknown value at ``beyond`` (by a relative
+    ``SLACK``); the rule's objective of a size N > exact is then at most that of the known prefix plus
+    ``(N - exact) * beyond`` in gain."""
+    if not 0 <= exact <= min(len(values), len(seconds) - 1):
+        raise ValueError(f"exact must be in 0..{min(len(values), len(seconds) - 1)}, got {exact}")
+    gain = _gain(values[:exact])
+    known = _objective(gain, seconds, rate)
+    n = int(np.argmax(known))
+    if exact == len(seconds) - 1:
+        return n
+    upper_gain = gain[-1] + beyond * np.arange(1, len(seconds) - exact)
+    later = seconds[exact + 1:]
+    upper = upper_gain / later if rate is None else upper_gain - rate * later
+    return n if float(upper.max()) < known[n] - SLACK * max(1.0, abs(float(known[n]))) else None
+
+
+def build_size(recent: Iterable[int], cap: int) -> int:
+    """How many nodes to build first: ``BUILD_GROWTH`` times the largest of the ``recent`` verified sizes, at least
+    ``BUILD_FLOOR``, at most ``cap``."""
+    return min(cap, max(BUILD_FLOOR, BUILD_GROWTH * max(recent, default=0)))

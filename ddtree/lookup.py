@@ -187,10 +187,17 @@ class LookupTreePolicy(BlockPolicy):
     def _propose_auto(self, block, history, n, continuation, estimates) -> DraftTree:
         auto = self.auto
         now = auto.start_round(history)
-        full, probs = auto.candidates(block, history)
-        merged, placed, origin = merge_lookup(full, continuation, estimates, auto.cap, values=probs)
-        size = auto.choose(np.exp(merged.log_probs.numpy()))
-        kept = [o for o in origin[:size] if o >= 0]  # the drafter's nodes among those verified
+        for build in auto.build_sizes():  # the last one is the cap, where a choice always comes
+            full, probs, beyond = auto.candidates(block, history, build)
+            merged, placed, origin = merge_lookup(full, continuation, estimates, auto.cap, values=probs)
+            values = np.exp(merged.log_probs.numpy())
+            # merged values above every left-out drafter node's are the complete merge's, in the same places
+            size = auto.choose(values, beyond, None if beyond is None else int((values > beyond).sum()))
+            if size is not None:
+                break
+        # the drafter's nodes among those verified: those its build holds (a lookup node that the cap's tree would
+        # hold too, deep down, counts as the lookup's when a smaller build settled the size)
+        kept = [o for o in origin[:size] if o >= 0]
         self._drafter_nodes = {i: j for j, i in enumerate(i for i in range(size) if origin[i] >= 0)}
         auto.remember(full.log_probs.double().numpy()[kept], full.depths.numpy()[kept], size, now, len(history))
         leading = 0

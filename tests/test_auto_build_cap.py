@@ -1,0 +1,212 @@
+"""``auto`` builds only as far as its choice can reach (ddtree.candidates): the same choice as the cap's tree, always.
+
+Oracles: the same policy forced to build the cap's tree every round (the behaviour before the adaptive build), fed
+the same rounds; the complete list's best prefix for :func:`settled_prefix`; every node's calibrated value for
+:func:`value_bound`.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from ddtree.budget import AutoBudget, Round, RoundMemory, best_prefix, calibrated_probs, value_bound
+from ddtree.candidates import BUILD_FLOOR, BUILD_GROWTH, BUILD_LOOKBACK, settled_prefix
+from ddtree.cost import CostModel
+from ddtree.lookup import LookupTreePolicy
+from dflash_core.markov import MarkovHead, MarkovScorer
+from dflash_core.policy import DraftBlock
+
+CAP = 128
+GRID = (0, 1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class FullBuild(AutoBudget):
+    """The oracle: the cap's tree every round (what auto built before it learnt to stop early)."""
+
+    def build_sizes(self) -> tuple[int, ...]:
+        return (self.cap,)
+
+
+def curve(rng) -> CostModel:
+    """A convex-ish CPU-like curve: flat for a few nodes, then steeper (random slopes)."""
+    slopes = np.concatenate([[0.0, 0.0], rng.uniform(1e-4, 1.5e-3, len(GRID) - 2)])
+    verify = 0.03 + np.cumsum(slopes * np.diff(np.concatenate([[0], GRID])))
+    return CostModel(GRID, tuple(float(v) for v in verify), fixed_s=float(rng.uniform(0.002, 0.01)))
+
+
+def random_logits(rng, depth: int = 15, vocab: int = 300) -> torch.Tensor:
+    """A drafter block whose confidence varies from round to round (so the chosen sizes do)."""
+    logits = rng.normal(0.0, 1.0, (depth, vocab)) * rng.uniform(0.5, 3.0)
+    top = rng.integers(0, vocab, depth)
+    logits[np.arange(depth), top] += rng.uniform(0.0, 12.0, depth)
+    return torch.tensor(logits, dtype=torch.float32)
+
+
+def markov_block(rng, seed: int, depth: int = 8, vocab: int = 64) -> DraftBlock:
+    """A block of a drafter with a (random, trained-looking) Markov head over a compact draft vocabulary."""
+    torch.manual_seed(seed)
+    head = MarkovHead(vocab, 16, 4, "gated")
+    with torch.no_grad():
+        head.out.weight.normal_(0, 1.5)
+    token_map = torch.tensor(rng.permutation(2 * vocab)[:vocab], dtype=torch.int64)
+    to_index = np.full(2 * vocab, vocab, dtype=np.int64)
+    to_index[token_map.numpy()] = np.arange(vocab)
+    base = random_logits(rng, depth, vocab)
+    states = torch.tensor(rng.normal(0.0, 1.0, (depth, 16)), dtype=torch.float32)
+    scorer = MarkovScorer(head, base, states, lambda ids: to_index[ids])
+    return DraftBlock(base, token_map, int(token_map[0]), 2 * vocab, states, scorer)
+
+
+def accepted_path(rng, tree) -> list[int]:
+    """A walk the target might accept: from the root, each step takes one of the node's children or stops."""
+    parents, path, at = tree.parents.tolist(), [], -1
+    while True:
+        kids = [i for i, p in enumerate(parents) if p == at]
+        if not kids or rng.random() < 0.3:
+            return path
+        at = kids[min(int(rng.geometric(0.6)) - 1, len(kids) - 1)]
+        path.append(at)
+
+
+def same_tree(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in ((a.token_ids, b.token_ids), (a.parents, b.parents),
+                                              (a.depths, b.depths), (a.log_probs, b.log_probs)))
+
+
+def run_side_by_side(make, blocks, rng):
+    """Drive the adaptive policy and the full-build oracle through the same rounds; both must propose the same
+    trees (and so learn the same). Returns the adaptive policy."""
+    adaptive, full = make(AutoBudget), make(FullBuild)
+    history = [int(t) for t in rng.integers(0, 40, 24)]
+    for i, block in enumerate(blocks):
+        got, want = adaptive.propose(block, history), full.propose(block, history)
+        assert same_tree(got, want), i
+        path = accepted_path(rng, got)
+        adaptive.observe(path)
+        full.observe(path)
+        history += [int(got.token_ids[j]) for j in path] + [int(rng.integers(0, 40))]
+    assert adaptive.chosen == full.chosen
+    return adaptive
+
+
+def run_lookup_rounds(auto: AutoBudget, blocks, rng) -> LookupTreePolicy:
+    """Lookup branches under the adaptive ``auto``; every round the oracle is a copy of the policy as it stands with
+    the cap's tree built instead: the same tree. (Whole runs may part: a verified lookup node that only the cap's
+    tree holds as a drafter node is booked as the drafter's there, as the lookup's after a smaller build.)"""
+    policy = LookupTreePolicy(auto)
+    history = [int(t) for t in rng.integers(0, 40, 24)]
+    for i, block in enumerate(blocks):
+        policy.wants_draft(history)
+        oracle = copy.deepcopy(policy)
+        oracle.auto.__class__ = FullBuild
+        got = policy.propose(block, history)
+        assert same_tree(got, oracle.propose(block, history)), i
+        path = accepted_path(rng, got)
+        policy.observe(path)
+        history += [int(got.token_ids[j]) for j in path] + [int(rng.integers(0, 40))]
+    return policy
+
+
+@pytest.mark.parametrize("calibrate", ["depth", "none", "power", "bucket"])
+@pytest.mark.parametrize("rule", ["marginal", "ratio"])
+def test_adaptive_build_chooses_what_the_full_build_chooses(calibrate, rule):
+    rng = np.random.default_rng(7)
+    cost = curve(rng)
+    blocks = [random_logits(rng) for _ in range(60)]
+    auto = run_side_by_side(lambda cls: cls(cost, cap=CAP, calibrate=calibrate, rule=rule), blocks, rng)
+    small = [b for b in auto.built if b < CAP]
+    assert len(small) > len(auto.built) // 3  # many rounds were settled by a small build: the test is not vacuous
+    assert max(auto.chosen) > 0
+
+
+def test_adaptive_build_on_a_markov_head():
+    """The conditioned tree (a drafter with a Markov head): the same trees as the oracle."""
+    rng = np.random.default_rng(3)
+    cost = curve(rng)
+    blocks = [markov_block(rng, seed) for seed in range(30)]
+    auto = run_side_by_side(lambda cls: cls(cost, cap=CAP), blocks, rng)
+    assert min(auto.built) < CAP
+
+
+@pytest.mark.parametrize("calibrate", ["depth", "bucket", "power"])
+def test_adaptive_build_with_lookup_branches(calibrate):
+    """Merged with the context's continuation (a small vocabulary: the history repeats, so matches are found), only
+    the merged values above every left-out node's are final: the same trees as the oracle."""
+    rng = np.random.default_rng(1)
+    cost = curve(rng)
+    blocks = [random_logits(rng, vocab=60) for _ in range(60)]
+    policy = run_lookup_rounds(AutoBudget(cost, cap=CAP, calibrate=calibrate), blocks, rng)
+    assert sum(b < CAP for b in policy.auto.built) > 5 and sum(policy.lookup_committed) > 0
+
+
+def test_chain_auto_builds_adaptively_too():
+    rng = np.random.default_rng(5)
+    cost = curve(rng)
+    blocks = [random_logits(rng) for _ in range(30)]
+    run_side_by_side(lambda cls: cls(cost, cap=12, chain=True), blocks, rng)
+
+
+def test_the_build_size_follows_recent_choices_and_grows_after_one_hits_it():
+    rng = np.random.default_rng(11)
+    cost = CostModel((0, CAP), (0.03, 0.03 + CAP * 1e-5), 0.005)  # nearly free nodes: a confident tree grows large
+    policy = AutoBudget(cost, cap=CAP, calibrate=False)
+    assert policy.build_sizes() == (BUILD_FLOOR, CAP)
+    sure = torch.full((15, 50), -8.0)
+    sure[:, :4] = torch.tensor([6.0, 5.5, 5.0, 4.5])  # many likely prefixes: worth far more than the floor
+    oracle = FullBuild(cost, cap=CAP, calibrate=False).propose(sure, [1])
+    tree = policy.propose(sure, [1])
+    assert same_tree(tree, oracle) and len(tree) > BUILD_FLOOR  # beyond the first build: rebuilt at the cap
+    assert policy.built == [BUILD_FLOOR + CAP]
+    policy.observe([])
+    assert policy.build_sizes() == ((min(CAP, BUILD_GROWTH * len(tree)), CAP) if BUILD_GROWTH * len(tree) < CAP
+                                    else (CAP,))
+    for _ in range(BUILD_LOOKBACK):  # small rounds only: the size comes back down once they fill the lookback
+        policy.memory.append(Round(np.log(np.full(3, 0.5)), np.arange(1, 4), np.zeros(3, bool), 0.03))
+    assert policy.build_sizes() == (BUILD_FLOOR, CAP)
+    assert AutoBudget(cost, cap=CAP, calibrate="edge").build_sizes() == (CAP,)  # edge: no bound, the cap's tree
+    assert AutoBudget(cost, cap=8).build_sizes() == (8,)
+
+
+def test_settled_prefix_never_disagrees_with_the_complete_list():
+    rng = np.random.default_rng(0)
+    settled = 0
+    for trial in range(400):
+        cap = int(rng.integers(1, 80))
+        seconds = 0.03 + np.cumsum(np.concatenate([[0.0], rng.uniform(0.0, 2e-3, cap)]))
+        rate = None if trial % 3 == 0 else float(rng.uniform(10, 200))
+        exact = int(rng.integers(0, cap + 1))
+        known = np.sort(rng.random(exact) ** rng.uniform(1, 8))[::-1]
+        beyond = float(rng.uniform(0, known[-1] if exact else 1.0))
+        rest = rng.uniform(0, beyond, int(rng.integers(0, cap - exact + 1)))  # any unknown tail below the bound
+        n = settled_prefix(known, seconds, rate, exact, beyond)
+        if n is not None:
+            settled += 1
+            assert n == best_prefix(np.concatenate([known, rest]), None, rate, seconds), trial
+    assert 50 < settled < 400  # both outcomes occur
+    with pytest.raises(ValueError, match="exact"):
+        settled_prefix(np.ones(3), np.ones(3), None, 3, 0.1)
+
+
+@pytest.mark.parametrize("method", ["none", "power", "depth", "bucket"])
+def test_value_bound_bounds_every_node_below_the_path_probability(method):
+    rng = np.random.default_rng(1)
+    memory = RoundMemory(64)
+    for _ in range(64):
+        depths = rng.integers(1, 12, 20)
+        log_p = -rng.exponential(1.5, 20) * depths / 3
+        memory.append(Round(log_p, depths, rng.random(20) < np.exp(log_p) * rng.uniform(0.3, 1.8), 0.03))
+    for trial in range(50):
+        top = -float(rng.exponential(2.0))
+        log_p = top - rng.exponential(1.0, 500) * (rng.random(500) < 0.9)  # some exactly at the bound's log p
+        depths = rng.integers(1, 80, 500)
+        bound = value_bound(top, memory, method)
+        assert calibrated_probs(log_p, depths, memory, method).max() <= bound, trial
+        if method != "bucket":  # values grow with p at every depth: the bound is the largest value at the probe
+            at_top = calibrated_probs(np.full(64, top), np.arange(1, 65), memory, method).max()
+            assert bound == pytest.approx(at_top, rel=1e-8)
+    with pytest.raises(ValueError, match="edge"):
+        value_bound(-1.0, memory, "edge")
