@@ -104,6 +104,13 @@ def optimizer_step(model, optimizer, embed, head_weight: torch.Tensor,
         group["lr"] = lr
     optimizer.zero_grad(set_to_none=True)
     local_sum, hits, n1 = 0.0, 0, 0
+    if cfg.batched:  # one padded forward and ONE backward (so DDP syncs once)
+        from .batched import batched_sequence_loss
+
+        s, st = batched_sequence_loss(model, embed, head_weight, batch, cfg, generator)
+        (s * (world / wsum)).backward()
+        batch = []
+        local_sum, hits, n1 = float(s.detach()), st["hits1"], st["n1"]
     for j, (ids, feats, anchors) in enumerate(batch):
         sync = j == len(batch) - 1 or world == 1
         with (contextlib.nullcontext() if sync else model.no_sync()):
@@ -149,6 +156,30 @@ class _Epochs:
         if cfg.cache_features:
             self.cache[i] = f
         return f
+
+    def step_features(self, indices: list[int]) -> list[SequenceFeatures]:
+        """The features of a step's sequences: kept or cached ones as they are, the rest from one padded target pass
+        when ``cfg.batched`` (one pass per sequence otherwise)."""
+        cfg = self.cfg
+        if not cfg.batched:
+            return [self.features(i) for i in indices]
+        got = {}
+        for i in indices:
+            f = self.feature_source(i) if self.feature_source is not None else None
+            if f is None:
+                f = self.cache.get(i)
+            if f is not None:
+                got[i] = f
+        missing = [i for i in indices if i not in got]
+        if missing:
+            from .batched import batched_target_features
+
+            fresh = batched_target_features(self.target, [self.sequences[i][0] for i in missing], self.layer_ids,
+                                            cfg.distill_topk if cfg.distill_weight > 0 else 0)
+            got.update(zip(missing, fresh))
+            if cfg.cache_features:
+                self.cache.update(zip(missing, fresh))
+        return [got[i] for i in indices]
 
     def batch_indices(self, step: int) -> list[int]:
         epoch, offset = divmod(step, self.steps_per_epoch)
@@ -233,7 +264,8 @@ def train(target, draft: DFlashDraftModel, sequences: list[tuple[torch.Tensor, i
         # global weight sum: known before any forward (labels depend only on anchors and lengths)
         wsum = sum(batch_weight(data.sequences[i][0], data.anchors_for(i, step), draft.block_size,
                                 draft.mask_token_id, cfg.gamma) for i in global_idx)
-        batch = [(data.sequences[i][0], data.features(i), data.anchors_for(i, step)) for i in global_idx[rank::world]]
+        mine = global_idx[rank::world]
+        batch = [(data.sequences[i][0], f, data.anchors_for(i, step)) for i, f in zip(mine, data.step_features(mine))]
         factor = _lr_factor(_progress(state, cfg), cfg.warmup_frac, cfg.min_lr_ratio)
         stats = optimizer_step(model, optimizer, embed, head_weight, batch, wsum, cfg, cfg.lr * factor, neg_gen)
         state.step += 1

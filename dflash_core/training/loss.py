@@ -27,7 +27,7 @@ from .anchors import position_weights
 from .train_config import TrainConfig
 from .objective import objective_weights
 
-__all__ = ["SequenceFeatures", "target_features", "sequence_loss", "draft_loss"]
+__all__ = ["SequenceFeatures", "target_features", "sequence_loss", "rows_loss", "draft_loss"]
 
 
 @dataclass
@@ -161,10 +161,21 @@ def sequence_loss(model, embed: torch.nn.Module, head_weight: torch.Tensor, ids:
     renormalised top-k distribution at that position.
     """
     core = getattr(model, "module", model)
-    b = core.block_size
     dev = head_weight.device
     dtype = next(core.parameters()).dtype  # the drafter's master weights (fp32 when training)
     hidden, labels, valid = _predicted_hidden(model, embed, ids, feats, anchors, cfg, dev, dtype)
+    return rows_loss(core, cfg, head_weight, ids, feats, anchors, hidden, labels, valid, generator)
+
+
+def rows_loss(core, cfg: TrainConfig, head_weight: torch.Tensor, ids: torch.Tensor, feats: SequenceFeatures,
+              anchors: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
+              generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict]:
+    """The loss terms of one sequence's predicted rows: ``hidden`` [N, H] (the drafter's states at the N valid
+    block positions, block-major), their ``labels`` [N] and the [A, b-1] ``valid`` mask that picked them; returns
+    what :func:`sequence_loss` returns."""
+    b = core.block_size
+    dev = head_weight.device
+    dtype = next(core.parameters()).dtype
     weights = position_weights(b, cfg.gamma).expand(len(anchors), -1)[valid].to(dev)  # [N]
     distill_weight = cfg.distill_weight if feats.distill_weight is None else feats.distill_weight
     dense = feats.soft_logp is not None and distill_weight > 0

@@ -47,6 +47,9 @@ class TrainConfig:
     negatives: int = 2048
     autocast: bool = True  # bf16 autocast (CPU and CUDA)
     cache_features: bool = True  # keep each sequence's target features after its first use (small targets)
+    # one right-padded target pass and one padded drafter forward per step instead of one per sequence
+    # (dflash_core.training.batched): the same loss up to rounding, far fewer kernel launches (the GPU mode)
+    batched: bool = False
     eval_every: int = 200
     eval_prompts: int = 6
     eval_new_tokens: int = 64

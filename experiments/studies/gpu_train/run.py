@@ -77,11 +77,13 @@ def summarise(rows: list[dict], base: str) -> dict:
     return out
 
 
-def _choose(summary: dict, arms: list[str], keep: int = 2) -> list[str]:
-    """The drafters to bring back: the 2-layer arm (the shipped shape) and the best others by replayed B=32 tau."""
-    trained = [a for a in arms if a in summary]
-    ranked = sorted(trained, key=lambda a: -summary[a].get("32", {}).get("tau", 0.0))
-    chosen = [a for a in ("l2",) if a in trained]
+def _choose(summary: dict, labels: list[str], keep: int = 2) -> list[str]:
+    """The drafters to bring back: the best of the 2-layer arm's (the shipped shape; final or half-time snapshot)
+    and the best others, by replayed B=32 tau (then chain tau)."""
+    trained = [a for a in labels if a in summary]
+    score = lambda a: (summary[a].get("32", {}).get("tau", 0.0), summary[a].get("chain", {}).get("tau", 0.0))  # noqa: E731
+    ranked = sorted(trained, key=score, reverse=True)
+    chosen = [a for a in ranked if a in ("l2", "l2-half")][:1]
     for a in ranked:
         if len(chosen) < keep and a not in chosen:
             chosen.append(a)
@@ -119,8 +121,11 @@ def run(a: argparse.Namespace) -> dict:
     procs["references"] = _spawn("protocol_replay", ref_args + (["--limit", str(a.limit)] if a.limit else []),
                                  work / "references.log")
     codes = _wait(procs, until + 20)
-    drafters = {"v6": init, "v4": work / "v4", **{arm: work / arm / "drafter" for arm in arms
-                                                   if (work / arm / "drafter" / "model.safetensors").is_file()}}
+    drafters = {"v6": init, "v4": work / "v4"}
+    for arm in arms:  # the final drafter and the snapshot at half time, where they were saved
+        for label, sub in ((arm, "drafter"), (f"{arm}-half", "drafter-half")):
+            if (work / arm / sub / "model.safetensors").is_file():
+                drafters[label] = work / arm / sub
     evals = {label: _spawn("protocol_replay", ["replay", "--refs", str(refs), "--draft", str(path), "--label", label,
                                         "--out", str(work / f"eval-{label}.json"), *common],
                            work / f"eval-{label}.log") for label, path in drafters.items()} if refs.is_file() else {}
@@ -128,11 +133,11 @@ def run(a: argparse.Namespace) -> dict:
     rows = [r for label in evals if (work / f"eval-{label}.json").is_file()
             for r in json.loads((work / f"eval-{label}.json").read_text())["rows"]]
     summary = summarise(rows, "v6")
-    chosen = _choose(summary, arms, a.keep)
+    chosen = _choose(summary, [label for label in drafters if label not in ("v4", "v6")], a.keep)
     configs = {}
-    for arm in chosen:
-        split_drafter(work / arm / "drafter", out, arm)
-        configs[arm] = json.loads((work / arm / "drafter" / "config.json").read_text())
+    for label in chosen:
+        split_drafter(drafters[label], out, label)
+        configs[label] = json.loads((drafters[label] / "config.json").read_text())
     results = {"device": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
                "torch": torch.__version__, "setup_s": setup_s, "worker_minutes": minutes,
                "codes": codes, "eval_codes": eval_codes, "summary": summary, "chosen": chosen, "configs": configs,
@@ -148,31 +153,25 @@ def run(a: argparse.Namespace) -> dict:
 
 
 def smoke(a: argparse.Namespace) -> dict:
-    """The whole run on a tiny random target and drafter (seconds): every process, the CUDA paths, the outputs."""
+    """The whole run on a random target of the embedded target's shape, from the shipped drafter, every arm: the
+    processes, the CUDA paths, the outputs, and each arm's steps per second at the real shapes (for sizing a run)."""
     import numpy as np
 
-    from dflash_core.markov import attach_markov_head
-    from experiments.bench.models import random_draft, tiny_target
     from experiments.bench.schema import write_json_atomic
 
     work = Path(a.work)
     pack_dir = work / "pack"
     pack_dir.mkdir(parents=True, exist_ok=True)
     g = np.random.default_rng(0)
-    target = tiny_target()
-    vocab = target.config.vocab_size
-    lengths = g.integers(40, 90, size=24)
+    vocab, n = 49152, 256
+    lengths = g.integers(150, 450, size=n)
     np.savez_compressed(pack_dir / "train.npz", tokens=g.integers(0, vocab, size=int(lengths.sum())).astype(np.uint16),
-                        lengths=lengths, prompt_lens=np.full(24, 12), ranked_vocab=g.permutation(vocab))
-    prompts = [{"group": "math", "dataset": "tiny", "sample_id": str(i), "ids": g.integers(0, vocab, 10).tolist()}
+                        lengths=lengths, prompt_lens=g.integers(30, 100, size=n), ranked_vocab=g.permutation(vocab))
+    prompts = [{"group": "math", "dataset": "random", "sample_id": str(i), "ids": g.integers(0, vocab, 40).tolist()}
                for i in range(3)]
     write_json_atomic(pack_dir / "protocol.json", {"prompts": prompts, "summary": {"stops": []}})
-    draft = random_draft(target, layers=2, taps=2, block_size=16)
-    draft.set_draft_vocab(torch.from_numpy(g.permutation(vocab)[:64].copy()))
-    attach_markov_head(draft, 8, "gated")
-    draft.save_pretrained(work / "init")
-    args = argparse.Namespace(**{**vars(a), "pack": str(pack_dir), "init": str(work / "init"), "target": "tiny",
-                                 "arms": "l2,l3", "max_new_tokens": 16, "limit": None, "keep": 2})
+    args = argparse.Namespace(**{**vars(a), "pack": str(pack_dir), "init": None, "target": "smollm2-random",
+                                 "max_new_tokens": 24, "limit": None, "keep": 2})
     return run(args)
 
 

@@ -44,19 +44,43 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--objective", default="ce")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--target", default="smollm2", help="'smollm2' or a tiny random target for smoke runs: 'tiny'")
+    p.add_argument("--target", default="smollm2",
+                   help="'smollm2', or for smoke runs a random target: 'smollm2-random' (its shape) or 'tiny'")
+    p.add_argument("--per-sequence", action="store_true",
+                   help="one target pass and drafter forward per sequence (default: one padded batch per step)")
+    p.add_argument("--snapshot-at", type=float, default=0.5,
+                   help="also save the drafter once this fraction of the training time has passed (drafter-half/)")
     return p.parse_args(argv)
 
 
 def _target(name: str, device: torch.device):
     from dflash_core.training.targets import load_training_target
 
-    if name != "tiny":
-        target, _, _ = load_training_target(name, torch.bfloat16, device)
-        return target
-    from experiments.bench.models import tiny_target
+    if name == "tiny":
+        from experiments.bench.models import tiny_target
 
-    return tiny_target().to(device=device, dtype=torch.bfloat16)
+        return tiny_target().to(device=device, dtype=torch.bfloat16)
+    if name == "smollm2-random":  # the embedded target's shape with random weights (speed and code paths only)
+        from experiments.studies.gpu_run.steps import smollm2_shaped_pair
+
+        return smollm2_shaped_pair(torch.bfloat16, device)[0]
+    target, _, _ = load_training_target(name, torch.bfloat16, device)
+    return target
+
+
+def _snapshot(folder: Path, after_s: float, log):
+    """The training loop's ``evaluate`` hook, used to save the drafter once, the first time it is called after
+    ``after_s`` seconds (it scores nothing: the protocol replay scores the saved drafters afterwards)."""
+    start, saved = time.perf_counter(), []
+
+    def hook(draft) -> dict:
+        if not saved and time.perf_counter() - start >= after_s:
+            draft.save_pretrained(folder, dtype=torch.bfloat16)
+            saved.append(True)
+            log(f"snapshot saved to {folder} after {time.perf_counter() - start:.0f} s")
+        return {}
+
+    return hook
 
 
 def main(argv=None) -> dict:
@@ -84,9 +108,10 @@ def main(argv=None) -> dict:
         raise SystemExit(f"no training time left ({budget_s:.0f} s) after a setup of {time.perf_counter() - t0:.0f} s")
     cfg = TrainConfig(anchors=a.anchors, seqs_per_step=a.seqs_per_step, lr=a.lr, max_len=a.max_len,
                       objective=a.objective, loss_vocab="draft" if draft.draft_vocab is not None else "full",
-                      cache_features=False, time_budget_s=budget_s, eval_every=10**9, ckpt_every=10**9,
-                      seed=a.seed)
-    state = train(target, draft, sequences, cfg, None, log)
+                      cache_features=False, time_budget_s=budget_s, eval_every=25, ckpt_every=10**9,
+                      seed=a.seed, batched=not a.per_sequence)
+    state = train(target, draft, sequences, cfg, None, log, evaluate=_snapshot(out / "drafter-half",
+                                                                               budget_s * a.snapshot_at, log))
     draft.save_pretrained(out / "drafter", dtype=torch.bfloat16)
     mean_response = sum(len(s) - p for s, p in sequences) / max(1, len(sequences))
     tail = state.history[-50:]
