@@ -17,9 +17,9 @@ The a_i are the drafter's path probabilities calibrated online against what the 
 ``depth``: one factor per depth; ``edge``: a reliability curve of the drafter's conditional probabilities, one
 Bernoulli trial per edge whose parent was accepted, multiplied along each path; ``power``: p ** beta; ``bucket``: a
 reliability histogram over log p; ``none``: the drafter's own numbers), see :func:`calibrated_probs`.
-It builds only as far as that choice can reach (:mod:`ddtree.candidates`): twice the largest size verified over the
-last rounds, and the whole cap only in a round where :func:`~ddtree.candidates.settled_prefix` cannot rule out that
-a node left out would change the choice (``edge`` calibration: always the cap, a node's value there depends on its
+It builds only as far as that choice can reach (:mod:`ddtree.candidates`): a little more than recent rounds verified,
+then twice as many nodes (up to the cap) while :func:`~ddtree.candidates.settled_prefix` cannot rule out that a node
+left out would change the choice (``edge`` calibration: always the cap, a node's value there depends on its
 siblings), so the choice is always the full build's.
 ``python -m experiments.studies.auto_budget_study`` compares rules, calibrations and fixed budgets by offline replay
 under several cost curves; ``python -m experiments.studies.auto_oracle_study`` judges them against the per-dataset
@@ -58,7 +58,8 @@ import torch
 from dflash_core.policy import BlockPolicy, DraftBlock, as_block
 from dflash_core.tree import DraftTree
 
-from .candidates import BUILD_LOOKBACK, best_prefix, build_size, cap_tree, settled_prefix, truncate_tree
+from .candidates import (BUILD_LADDER, BUILD_LOOKBACK, best_prefix, build_ladder, build_size, cap_tree,
+                         settled_prefix, truncate_tree)
 from .cost import CostModel, OnlineCost, context_bucket, default_cap, measure_cost_model
 from .edges import EDGE_EDGES, edge_log_q, edge_probs
 
@@ -186,12 +187,9 @@ def calibrated_probs(log_p: np.ndarray, depths: np.ndarray, rounds, method: str,
         return edge_probs(log_p, depths, parents, memory, prior)
     if method in ("depth", "edge"):
         factor = (memory.depth_obs + prior) / (memory.depth_pred + prior)
-        last = 1.0
-        for d in range(len(factor)):  # unseen depths: the factor of the deepest seen depth above them
-            if memory.depth_nodes[d] > 0:
-                last = factor[d]
-            else:
-                factor[d] = last
+        # unseen depths: the factor of the deepest seen depth above them (1.0 above every seen one)
+        seen = np.maximum.accumulate(np.where(memory.depth_nodes > 0, np.arange(len(factor)), -1))
+        factor = np.where(seen >= 0, factor[np.maximum(seen, 0)], 1.0)
         return np.clip(factor[np.minimum(depths.astype(int), _MAX_DEPTH)] * p, 0.0, 1.0)
     mine = np.searchsorted(_BUCKET_EDGES, log_p)
     return (memory.bucket_hits[mine] + prior * p) / (memory.bucket_nodes[mine] + prior)
@@ -221,7 +219,7 @@ class AutoBudget(BlockPolicy):
     at ``cap`` nodes), the nodes' acceptance probabilities are estimated (``calibrate``: see
     :func:`calibrated_probs`) and the prefix to verify is chosen by ``rule`` (see :func:`best_prefix`; the marginal
     rule uses the committed tokens per modeled second of the rounds remembered so far as its rate). ``built``: the
-    nodes built per round, every build counted.
+    nodes built per round, every build counted; ``rebuilds``: the builds per round after the first.
 
     ``cost``: the measured curve (:mod:`ddtree.cost`). ``clock`` (e.g. ``time.perf_counter``; what
     :meth:`for_models` passes): the policy times its rounds -- the clock between consecutive :meth:`propose` calls
@@ -258,7 +256,8 @@ class AutoBudget(BlockPolicy):
         self._timing: list | None = None  # [clock at the last propose, its size, history length, tokens committed]
         self.chosen: list[int] = []  # tree size picked each round (for studies)
         self.built: list[int] = []  # nodes built each round, all builds together (for studies)
-        self._building = 0  # nodes built so far in the round in flight
+        self.rebuilds: list[int] = []  # builds each round after the first (for studies)
+        self._building, self._builds = 0, 0  # nodes built and builds so far in the round in flight
         self._shared: tuple | None = None  # for_models: (memory key, online curve key) before the variant
 
     @classmethod
@@ -368,24 +367,26 @@ class AutoBudget(BlockPolicy):
         return now
 
     def build_sizes(self) -> tuple[int, ...]:
-        """The tree sizes to try this round, in order, the last one the cap (built only when a smaller build could
-        not settle the choice): :func:`~ddtree.candidates.build_size` of the drafter nodes verified in the last
-        rounds remembered (so it follows the memory shared by ``share_as``); the cap alone for ``edge``."""
+        """The tree sizes to try this round, in order, each built only when the one before could not settle the
+        choice, the last one the cap: :func:`~ddtree.candidates.build_size` of the drafter nodes verified in the
+        last rounds remembered (so it follows the memory shared by ``share_as``), then its
+        :func:`~ddtree.candidates.build_ladder`; the cap alone for ``edge``."""
         if self.calibrate == "edge":
             return (self.cap,)
-        size = build_size((len(r.log_p) for r in itertools.islice(reversed(self.memory.rounds), BUILD_LOOKBACK)),
-                          self.cap)
-        return (size, self.cap) if size < self.cap else (self.cap,)
+        recent = (len(r.log_p) for r in itertools.islice(reversed(self.memory.rounds), BUILD_LOOKBACK))
+        return build_ladder(build_size(recent, self.cap), self.cap)
 
     def candidates(self, block: DraftBlock, history: list[int], size: int | None = None
                    ) -> tuple[DraftTree, np.ndarray, float | None]:
         """The drafter's best tree (or chain) of ``size`` nodes (default: the cap), its nodes' calibrated acceptance
         probabilities, and a bound on the probability of every node it left out (:func:`value_bound`; None when it
         left none out: the cap's tree, or one the drafter cannot fill). Under the conditioned distribution when the
-        drafter has a Markov head (``block.scorer``)."""
+        drafter has a Markov head (``block.scorer``, which keeps each children distribution wide enough for the next
+        size of the ladder, so that a rebuild reuses them)."""
         size = self.cap if size is None else min(size, self.cap)
-        tree = cap_tree(block, size, self.chain, history)
+        tree = cap_tree(block, size, self.chain, history, width=min(self.cap, BUILD_LADDER * size))
         self._building += len(tree)
+        self._builds += 1
         rounds = self.memory if len(self.memory) >= self.warmup else ()
         probs = calibrated_probs(tree.log_probs.double().numpy(), tree.depths.numpy(), rounds, self.calibrate,
                                  parents=tree.parents.numpy())
@@ -409,7 +410,8 @@ class AutoBudget(BlockPolicy):
         :meth:`observe` learns from, its modeled seconds, and the clock for the online curve."""
         self.chosen.append(n)
         self.built.append(self._building)
-        self._building = 0
+        self.rebuilds.append(max(0, self._builds - 1))
+        self._building, self._builds = 0, 0
         self._pending = (log_p, depths, float(self._seconds[n]), parents)
         if now is not None:
             self._timing = [now, n, length, None]

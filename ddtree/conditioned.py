@@ -118,9 +118,11 @@ WAVE = 8  # unknown distributions gathered per batched product
 class _Growth:
     """The state of a best-first build over draft columns, resumable: nodes so far, the children rows of the nodes
     that have them, and the heap of candidates (the next untaken child of a node: -value, depth, counter, parent,
-    rank). ``grow`` pops best-first; ``fork`` copies the state for a look-ahead (rows are shared, never written)."""
+    rank). ``grow`` pops best-first; ``fork`` copies the state for a look-ahead (rows are shared, never written).
+    ``need``: how many children a known row must hold to be used (min(budget, draft vocabulary)); a shorter one,
+    left by an earlier, smaller build of the round, counts as unknown, so it is computed again at full width."""
 
-    def __init__(self, root_row, budget: int, max_depth: int) -> None:
+    def __init__(self, root_row, budget: int, max_depth: int, need: int) -> None:
         self.tokens: list[int] = []
         self.parents: list[int] = []
         self.depths: list[int] = []
@@ -128,7 +130,7 @@ class _Growth:
         self.kids = {ROOT: root_row}
         self.heap = [(-float(root_row[0][0]), 1, 0, ROOT, 0)] if len(root_row[0]) and root_row[0][0] > -np.inf \
             else []
-        self.counter, self.budget, self.max_depth = 1, budget, max_depth
+        self.counter, self.budget, self.max_depth, self.need = 1, budget, max_depth, need
 
     def fork(self) -> _Growth:
         other = object.__new__(_Growth)
@@ -150,7 +152,8 @@ class _Growth:
             row = None
             if depth < self.max_depth and len(tokens) + 1 < self.budget:  # the node will want its children
                 row = known.get((depth + 1, column))
-                if row is None:
+                if row is None or len(row[0]) < self.need:
+                    row = None
                     if wanted is None:
                         return depth + 1, column
                     wanted.append((depth + 1, column))
@@ -174,7 +177,8 @@ class _Growth:
         return None
 
 
-def build_markov_tree(scorer, budget: int, root: int, token_map: torch.Tensor | None = None) -> DraftTree:
+def build_markov_tree(scorer, budget: int, root: int, token_map: torch.Tensor | None = None,
+                      width: int | None = None) -> DraftTree:
     """The best ``budget``-node tree of a round's :class:`~dflash_core.markov.MarkovScorer` (the loop's path).
 
     The lazy best-first builder of the module docstring, with the head's products batched instead of one per node
@@ -190,20 +194,27 @@ def build_markov_tree(scorer, budget: int, root: int, token_map: torch.Tensor | 
     (:meth:`~dflash_core.markov.MarkovScorer.likely_parents`): the chain most trees grow along. On the shipped
     drafter's rounds at 32 nodes this computes ~27 distributions in ~4.4 batches, for ~25 the tree needs (before:
     ~67 distributions, 56 of them guessed). The builder works on draft columns (the head's keys) and maps them to
-    target ids once, at the end."""
+    target ids once, at the end.
+
+    ``width`` (default and at least ``budget``): how many best children each distribution computed here keeps, so
+    that a later, larger build of the same round (``auto``'s rebuild, :mod:`ddtree.candidates`) up to ``width`` nodes
+    reuses every row (the scorer keeps them). A row held with fewer than min(``budget``, draft vocabulary) children
+    is computed again: it could cut a node's children short. Wider rows never change the tree (see above)."""
     budget = int(budget)
+    width = budget if width is None else max(budget, int(width))
     if budget <= 0 or scorer.depth <= 0:
         return DraftTree.empty()
     first = (1, int(scorer.index(root)))
     guess = scorer.likely_parents(PREFETCH_WIDTH, PREFETCH_FLOOR) if budget >= PREFETCH_BELOW and scorer.depth > 1 \
         else []
-    scorer.fill([first] + guess, budget)
+    need = min(budget, scorer.base.shape[1])
     known = scorer.known
-    growth = _Growth(known[first], budget, scorer.depth)
+    scorer.fill([key for key in [first] + guess if key not in known or len(known[key][0]) < need], width)
+    growth = _Growth(known[first], budget, scorer.depth, need)
     while growth.grow(known) is not None:
         wanted: list[tuple[int, int]] = []  # the look-ahead's first pop is the node the exact build stopped at
         growth.fork().grow(known, wanted, WAVE)
-        scorer.fill(wanted, budget)
+        scorer.fill(wanted, width)  # unknown or too short for this budget: computed at the full width
     columns = torch.tensor(growth.tokens, dtype=torch.int64)
     return DraftTree(columns if token_map is None else token_map.detach().cpu().to(torch.int64)[columns],
                      torch.tensor(growth.parents, dtype=torch.int64), torch.tensor(growth.depths, dtype=torch.int64),

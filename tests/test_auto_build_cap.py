@@ -1,8 +1,9 @@
 """``auto`` builds only as far as its choice can reach (ddtree.candidates): the same choice as the cap's tree, always.
 
 Oracles: the same policy forced to build the cap's tree every round (the behaviour before the adaptive build), fed
-the same rounds; the complete list's best prefix for :func:`settled_prefix`; every node's calibrated value for
-:func:`value_bound`.
+the same rounds (with a Markov head: on a fresh copy of the round's scorer, so that no row the adaptive builds left in
+its cache can reach the oracle's tree); the complete list's best prefix for :func:`settled_prefix`; every node's
+calibrated value for :func:`value_bound`; hand-computed sizes for the first build and the ladder.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import pytest
 import torch
 
 from ddtree.budget import AutoBudget, Round, RoundMemory, best_prefix, calibrated_probs, value_bound
-from ddtree.candidates import BUILD_FLOOR, BUILD_GROWTH, BUILD_LOOKBACK, settled_prefix
+from ddtree.candidates import BUILD_FLOOR, BUILD_LOOKBACK, build_ladder, build_size, settled_prefix
+from ddtree.conditioned import build_markov_tree
 from ddtree.cost import CostModel
 from ddtree.lookup import LookupTreePolicy
 from dflash_core.markov import MarkovHead, MarkovScorer
@@ -83,13 +85,15 @@ def run_side_by_side(make, blocks, rng):
     adaptive, full = make(AutoBudget), make(FullBuild)
     history = [int(t) for t in rng.integers(0, 40, 24)]
     for i, block in enumerate(blocks):
-        got, want = adaptive.propose(block, history), full.propose(block, history)
+        fresh = copy.deepcopy(block)  # the oracle's own scorer cache (a Markov head's rows)
+        got, want = adaptive.propose(block, history), full.propose(fresh, history)
         assert same_tree(got, want), i
         path = accepted_path(rng, got)
         adaptive.observe(path)
         full.observe(path)
         history += [int(got.token_ids[j]) for j in path] + [int(rng.integers(0, 40))]
     assert adaptive.chosen == full.chosen
+    assert len(adaptive.rebuilds) == len(adaptive.built) == len(blocks) and full.rebuilds == [0] * len(blocks)
     return adaptive
 
 
@@ -120,7 +124,7 @@ def test_adaptive_build_chooses_what_the_full_build_chooses(calibrate, rule):
     auto = run_side_by_side(lambda cls: cls(cost, cap=CAP, calibrate=calibrate, rule=rule), blocks, rng)
     small = [b for b in auto.built if b < CAP]
     assert len(small) > len(auto.built) // 3  # many rounds were settled by a small build: the test is not vacuous
-    assert max(auto.chosen) > 0
+    assert max(auto.rebuilds) > 0 and max(auto.chosen) > 0  # ... and some only by a rebuild
 
 
 def test_adaptive_build_on_a_markov_head():
@@ -129,7 +133,7 @@ def test_adaptive_build_on_a_markov_head():
     cost = curve(rng)
     blocks = [markov_block(rng, seed) for seed in range(30)]
     auto = run_side_by_side(lambda cls: cls(cost, cap=CAP), blocks, rng)
-    assert min(auto.built) < CAP
+    assert min(auto.built) < CAP and max(auto.rebuilds) > 0
 
 
 @pytest.mark.parametrize("calibrate", ["depth", "bucket", "power"])
@@ -141,6 +145,7 @@ def test_adaptive_build_with_lookup_branches(calibrate):
     blocks = [random_logits(rng, vocab=60) for _ in range(60)]
     policy = run_lookup_rounds(AutoBudget(cost, cap=CAP, calibrate=calibrate), blocks, rng)
     assert sum(b < CAP for b in policy.auto.built) > 5 and sum(policy.lookup_committed) > 0
+    assert max(policy.auto.rebuilds) > 0
 
 
 def test_chain_auto_builds_adaptively_too():
@@ -150,25 +155,106 @@ def test_chain_auto_builds_adaptively_too():
     run_side_by_side(lambda cls: cls(cost, cap=12, chain=True), blocks, rng)
 
 
-def test_the_build_size_follows_recent_choices_and_grows_after_one_hits_it():
-    rng = np.random.default_rng(11)
-    cost = CostModel((0, CAP), (0.03, 0.03 + CAP * 1e-5), 0.005)  # nearly free nodes: a confident tree grows large
+def test_the_first_build_follows_a_high_quantile_of_recent_sizes():
+    """1.25 x the 4th largest of the last 16 verified sizes, rounded up, + 2; at least 8, at most the cap."""
+    cost = CostModel((0, CAP), (0.03, 0.03 + CAP * 1e-5), 0.005)
     policy = AutoBudget(cost, cap=CAP, calibrate=False)
-    assert policy.build_sizes() == (BUILD_FLOOR, CAP)
-    sure = torch.full((15, 50), -8.0)
-    sure[:, :4] = torch.tensor([6.0, 5.5, 5.0, 4.5])  # many likely prefixes: worth far more than the floor
-    oracle = FullBuild(cost, cap=CAP, calibrate=False).propose(sure, [1])
-    tree = policy.propose(sure, [1])
-    assert same_tree(tree, oracle) and len(tree) > BUILD_FLOOR  # beyond the first build: rebuilt at the cap
-    assert policy.built == [BUILD_FLOOR + CAP]
-    policy.observe([])
-    assert policy.build_sizes() == ((min(CAP, BUILD_GROWTH * len(tree)), CAP) if BUILD_GROWTH * len(tree) < CAP
-                                    else (CAP,))
-    for _ in range(BUILD_LOOKBACK):  # small rounds only: the size comes back down once they fill the lookback
-        policy.memory.append(Round(np.log(np.full(3, 0.5)), np.arange(1, 4), np.zeros(3, bool), 0.03))
-    assert policy.build_sizes() == (BUILD_FLOOR, CAP)
+    assert policy.build_sizes() == (8, 16, 32, 64, CAP)  # nothing verified yet: the floor
+
+    def remember(sizes):
+        for n in sizes:
+            policy.memory.append(Round(np.log(np.full(n, 0.5)), np.arange(1, n + 1), np.zeros(n, bool), 0.03))
+
+    remember([10] * BUILD_LOOKBACK)
+    assert policy.build_sizes() == (15, 30, 60, 120, CAP)  # ceil(12.5) + 2
+    remember([40] * 3)  # three outliers among the last 16: the 4th largest is still 10
+    assert policy.build_sizes() == (15, 30, 60, 120, CAP)
+    remember([40])  # a fourth: 40 -> 52
+    assert policy.build_sizes() == (52, 104, CAP)
+    remember([3] * 13)  # three 40s left among the last 16: the 4th largest is 3 -> ceil(3.75) + 2 = 6 < 8
+    assert policy.build_sizes() == (BUILD_FLOOR, 16, 32, 64, CAP)
+    remember([12] * BUILD_LOOKBACK)
+    assert policy.build_sizes() == (17, 34, 68, CAP)
+    assert build_size([], 5) == 5 and build_size([1, 2, 3, 4, 200], CAP) == BUILD_FLOOR  # sorted[3] = 4 -> 7
+    assert build_size([8, 9, 10, 11, 12, 8, 9, 10], CAP) == 16  # sorted[6] = 11 -> ceil(13.75) + 2
     assert AutoBudget(cost, cap=CAP, calibrate="edge").build_sizes() == (CAP,)  # edge: no bound, the cap's tree
     assert AutoBudget(cost, cap=8).build_sizes() == (8,)
+    assert build_ladder(0, 0) == (0,) and build_ladder(5, 5) == (5,) and build_ladder(7, 20) == (7, 14, 20)
+    with pytest.raises(ValueError, match="at least one node"):
+        build_ladder(0, 4)
+
+
+def test_the_ladder_doubles_up_to_the_cap_when_only_the_cap_settles():
+    cost = CostModel((0, CAP), (0.03, 0.03 + CAP * 1e-5), 0.005)  # nearly free nodes: a confident tree grows large
+    policy = AutoBudget(cost, cap=CAP, calibrate=False)
+    sure = torch.full((15, 50), -8.0)
+    sure[:, :4] = torch.tensor([6.0, 5.5, 5.0, 4.5])  # many likely prefixes: worth far more than any rung
+    oracle = FullBuild(cost, cap=CAP, calibrate=False).propose(sure, [1])
+    tree = policy.propose(sure, [1])
+    assert same_tree(tree, oracle) and len(tree) > 64  # beyond every rung: built again at each, then at the cap
+    assert policy.built == [8 + 16 + 32 + 64 + CAP] and policy.rebuilds == [4]
+
+
+def markov_table_scorer(base: torch.Tensor, table: torch.Tensor) -> MarkovScorer:
+    """A scorer whose head adds ``table[prev]`` (a [V'+1, V'] bias per previous draft column; row V' for the root)
+    to each depth's logits: an exact, hand-written Markov head (rank V', identity output)."""
+    vocab = base.shape[1]
+    head = MarkovHead(vocab, 4, vocab, "token")
+    with torch.no_grad():
+        head.embed.weight.copy_(table)
+        head.out.weight.copy_(torch.eye(vocab))
+    return MarkovScorer(head, base, torch.zeros(base.shape[0], 4), lambda ids: np.asarray(ids))
+
+
+def test_a_larger_build_never_uses_rows_a_smaller_one_cut_short():
+    """A small build keeps few children per distribution; a larger build of the same round must not take them as
+    complete. Depth 1 is sure of column 0; after it depth 2 is sure of column 1 (not the unconditioned favourite, so
+    no prefetch guess covers it), and after column 1 depth 3 is flat: the 16-node tree takes 14 of its children."""
+    vocab = 16
+    base = torch.zeros(3, vocab)
+    base[0, 0], base[1, 5], base[2, 7] = 30.0, 3.0, 5.0
+    table = torch.zeros(vocab + 1, vocab)
+    table[0, 1] = 30.0  # after column 0, depth 2 takes column 1
+    table[1, 7] = -5.0  # after column 1, depth 3 is flat
+    root = vocab  # outside the draft vocabulary: the bias row of the root
+    want = build_markov_tree(markov_table_scorer(base, table), 16, root)
+    assert want.depths.tolist().count(3) == 14 and want.parents.tolist().count(1) == 14
+    scorer = markov_table_scorer(base, table)
+    build_markov_tree(scorer, 4, root)  # leaves depth 3's row after column 1 with 4 children
+    assert len(scorer.known[(3, 1)][0]) == 4
+    assert same_tree(build_markov_tree(scorer, 16, root), want)
+    wide = markov_table_scorer(base, table)
+    build_markov_tree(wide, 4, root, width=16)  # rows wide enough for the larger build
+    assert len(wide.known[(3, 1)][0]) == 16
+    assert same_tree(build_markov_tree(wide, 16, root), want)
+
+
+def test_a_rebuild_reuses_every_row_of_the_first_build(monkeypatch):
+    """Each build keeps as many children per distribution as the next rung needs: in a round built twice, no
+    distribution is computed twice (a third rung may recompute the first rung's rows: they are too short for it)."""
+    rng = np.random.default_rng(3)
+    cost = curve(rng)
+    computed: list[tuple[int, int]] = []
+    fill = MarkovScorer.fill
+
+    def spy(self, keys, k):  # a key is computed when it is not held with min(k, V') children
+        held = self.known
+        need = min(k, self.base.shape[1])
+        computed.extend(key for key in dict.fromkeys(keys) if key not in held or len(held[key][0]) < need)
+        fill(self, keys, k)
+
+    monkeypatch.setattr(MarkovScorer, "fill", spy)
+    policy = AutoBudget(cost, cap=CAP)
+    history = [int(t) for t in rng.integers(0, 40, 24)]
+    twice = 0
+    for seed in range(30):
+        computed.clear()
+        tree = policy.propose(markov_block(rng, seed), history)
+        policy.observe(accepted_path(rng, tree))
+        if policy.rebuilds[-1] <= 1:
+            assert len(computed) == len(set(computed)), seed
+            twice += policy.rebuilds[-1] == 1
+    assert twice > 0  # some round was built twice: the test is not vacuous
 
 
 def test_settled_prefix_never_disagrees_with_the_complete_list():
