@@ -17,10 +17,12 @@ The a_i are the drafter's path probabilities calibrated online against what the 
 ``depth``: one factor per depth; ``edge``: a reliability curve of the drafter's conditional probabilities, one
 Bernoulli trial per edge whose parent was accepted, multiplied along each path; ``power``: p ** beta; ``bucket``: a
 reliability histogram over log p; ``none``: the drafter's own numbers), see :func:`calibrated_probs`.
-It builds only as far as that choice can reach (:mod:`ddtree.candidates`): a little more than recent rounds verified,
-then twice as many nodes (up to the cap) while :func:`~ddtree.candidates.settled_prefix` cannot rule out that a node
-left out would change the choice (``edge`` calibration: always the cap, a node's value there depends on its
-siblings), so the choice is always the full build's.
+``build`` (:mod:`ddtree.candidates`): ``"adaptive"`` (default) builds once, 1.25 x a high quantile of the recent
+verified sizes + 2, and chooses among that tree's prefixes (choices that fill it raise the next builds); a build
+costs about its node count, and building several times the chosen size made ``auto`` lose live to the best fixed
+budget. ``"exact"`` always gives the cap's choice: it builds twice as many nodes (up to the cap) while
+:func:`~ddtree.candidates.settled_prefix` cannot rule out that a left-out node would change it. ``"cap"`` builds the
+cap's tree every round, as ``edge`` calibration always does (a node's value there depends on its siblings).
 ``python -m experiments.studies.auto_budget_study`` compares rules, calibrations and fixed budgets by offline replay
 under several cost curves; ``python -m experiments.studies.auto_oracle_study`` judges them against the per-dataset
 oracle as the benchmark does. Neither the rule, the calibration nor the
@@ -33,12 +35,9 @@ Tree sizes then depend on earlier prompts and on the machine's timing noise (the
 reproducible tree sizes pass ``share_memory=False, online=False``, e.g.
 ``ddtree_generate(..., policy=make_policy("auto", target, draft, share_memory=False, online=False))``;
 :func:`forget_shared_memory` drops everything shared so far. What is shared is keyed by the policy's configuration
-(everything that changes what its memory records: temperature, cap, rule, kind, calibration, window, and a
-``variant`` such as lookup merging, see :meth:`AutoBudget.share_as`) and by the models' identity
-(:func:`model_identity`: never an ``id()``, which a new model can inherit after garbage collection; the weights'
-in-place versions, dtype, taps and width); a collected model's entries are dropped. The constructor itself reads
-no clock unless given one (``clock=time.perf_counter``), so a policy built with it is replayable
-(:mod:`dflash_core.replay`).
+(temperature, cap, rule, kind, calibration, window, build, and a ``variant`` such as lookup merging, see
+:meth:`AutoBudget.share_as`) and by the models' identity (:func:`model_identity`, never an ``id()``). The
+constructor reads no clock unless given one (``clock=time.perf_counter``): such a policy is replayable.
 """
 
 from __future__ import annotations
@@ -86,6 +85,7 @@ class Round:
 
 CALIBRATIONS = ("none", "power", "depth", "bucket", "edge")
 RULES = ("marginal", "ratio")
+BUILDS = ("adaptive", "exact", "cap")  # how far AutoBudget builds each round (module docstring)
 DEFAULT_CALIBRATION = "depth"
 _BUCKET_EDGES = np.array([-6.0, -4.0, -3.0, -2.5, -2.0, -1.5, -1.0, -0.7, -0.4, -0.2, -0.1])  # on log p
 _MAX_DEPTH = 64
@@ -214,21 +214,18 @@ def value_bound(log_p: float, rounds, method: str, prior: float = 2.0) -> float:
 class AutoBudget(BlockPolicy):
     """Per-round tree size that maximizes committed tokens per second under the machine's cost curve.
 
-    Each round the best-first tree (``chain=True``: the drafter's top-1 chain, i.e. a DFlash block of chosen
-    length) is built as far as the choice can reach (:meth:`build_sizes`; the choice is always that of the tree
-    at ``cap`` nodes), the nodes' acceptance probabilities are estimated (``calibrate``: see
-    :func:`calibrated_probs`) and the prefix to verify is chosen by ``rule`` (see :func:`best_prefix`; the marginal
-    rule uses the committed tokens per modeled second of the rounds remembered so far as its rate). ``built``: the
-    nodes built per round, every build counted; ``rebuilds``: the builds per round after the first.
+    Each round the best-first tree (``chain=True``: the drafter's top-1 chain, a DFlash block of chosen length) is
+    built to :meth:`build_sizes` (``build``: see the module docstring), the nodes' acceptance probabilities are
+    estimated (``calibrate``: :func:`calibrated_probs`) and the prefix to verify is chosen by ``rule``
+    (:func:`best_prefix`; the marginal rule's rate is the committed tokens per modeled second of the rounds
+    remembered). ``built`` / ``rebuilds``: the nodes built per round (every build counted) / builds after the first.
 
-    ``cost``: the measured curve (:mod:`ddtree.cost`). ``clock`` (e.g. ``time.perf_counter``; what
-    :meth:`for_models` passes): the policy times its rounds -- the clock between consecutive :meth:`propose` calls
-    spans one whole round (tree, verify, commit, the next draft) of the previous proposal's size -- and corrects the
-    curve with them (``online_cost``, an :class:`~ddtree.cost.OnlineCost`, fresh by default). Without a clock (the
-    default) nothing here reads one: given the same drafter logits and feedback the choices are the same
-    (replayable). ``memory``: the rounds learnt from (a :class:`RoundMemory` of at most ``window`` rounds).
-    ``calibration_s``: seconds :meth:`for_models` spent measuring the curve (0.0 when it was cached).
-    Neither calibration, the rule nor the curve ever changes the output, only the tree size.
+    ``cost``: the measured curve (:mod:`ddtree.cost`). ``clock`` (e.g. ``time.perf_counter``, what :meth:`for_models`
+    passes): the policy times its rounds (between consecutive :meth:`propose` calls: one whole round of the previous
+    proposal's size) and corrects the curve with them (``online_cost``, an :class:`~ddtree.cost.OnlineCost`). Without
+    a clock (the default) nothing reads one: the same logits and feedback give the same choices (replayable).
+    ``memory``: the rounds learnt from (at most ``window``). ``calibration_s``: seconds :meth:`for_models` spent
+    measuring the curve (0.0 when cached). Nothing here changes the output, only the tree size.
     """
 
     uses_draft = True
@@ -236,9 +233,12 @@ class AutoBudget(BlockPolicy):
     def __init__(self, cost: CostModel, cap: int = 128, calibrate: bool | str = True, window: int = 256,
                  rule: str = "marginal", chain: bool = False, memory: RoundMemory | None = None,
                  warmup: int = 4, clock: Callable[[], float] | None = None,
-                 online_cost: OnlineCost | None = None) -> None:
+                 online_cost: OnlineCost | None = None, build: str = "adaptive") -> None:
         if cap < 0:
             raise ValueError(f"cap must be >= 0, got {cap}")
+        if build not in BUILDS:
+            raise ValueError(f"unknown build {build!r}: use one of {BUILDS}")
+        self.build = build
         method = (DEFAULT_CALIBRATION if calibrate else "none") if isinstance(calibrate, bool) else calibrate
         if method not in CALIBRATIONS:
             raise ValueError(f"unknown calibration {calibrate!r}: use one of {CALIBRATIONS} (or True / False)")
@@ -264,16 +264,14 @@ class AutoBudget(BlockPolicy):
     def for_models(cls, target, draft, cap: int | None = None, calibrate: bool | str = True,
                    cost: CostModel | None = None, context: int | None = None, profile: str | Path | None = None,
                    rule: str = "marginal", chain: bool = False, temperature: float = 0.0,
-                   share_memory: bool = True, window: int = 256, online: bool = True) -> "AutoBudget":
-        """The policy with the cost curve of ``target`` + ``draft`` on this machine: ``cost`` if given, else the
-        curve of a GPU ``profile`` (``experiments.studies.gpu_check``), else the cached curve of
-        ``context_bucket(context)`` tokens (``context``: the prompt length; default 256) -- derived from the buckets
-        :func:`ddtree.cost.calibrate` measured when that one is not cached, measured now (``calibration_s``, logged)
-        when none is.
-        ``online``: correct the curve from the policy's own round timings. ``share_memory``: continue the round
-        memory (same models, machine, ``temperature``, cap, rule and kind) and the online curve (same models,
-        measured curve, cap and kind) of earlier generations in this process; False for reproducible tree sizes
-        (see the module doc)."""
+                   share_memory: bool = True, window: int = 256, online: bool = True,
+                   build: str = "adaptive") -> "AutoBudget":
+        """The policy with the cost curve of ``target`` + ``draft`` on this machine: ``cost``, else a GPU
+        ``profile``'s (``experiments.studies.gpu_check``), else the cached curve of ``context_bucket(context)`` tokens
+        (``context``: the prompt length; default 256; derived from :func:`ddtree.cost.calibrate`'s buckets, or
+        measured now, ``calibration_s``). ``online``: correct the curve from the policy's own round timings.
+        ``share_memory``: continue the round memory and online curve of earlier generations in this process with
+        the same models and configuration; False for reproducible tree sizes (see the module doc)."""
         cap = cap if cap is not None else default_cap(target.lm_head.weight.device)
         if cost is None and profile is not None:
             cost = CostModel.from_profile(profile, context=context)
@@ -281,10 +279,10 @@ class AutoBudget(BlockPolicy):
             cost = measure_cost_model(target, draft, context=context_bucket(context) if context else 256, cap=cap,
                                       chain=chain, extrapolate=True)
         policy = cls(cost, cap=cap, calibrate=calibrate, window=window, rule=rule, chain=chain,
-                     clock=time.perf_counter if online else None)
+                     clock=time.perf_counter if online else None, build=build)
         if share_memory:
             models = (model_identity(target), model_identity(draft))
-            policy._shared = (models + (cost.key, float(temperature), cap, rule, chain, str(calibrate), window),
+            policy._shared = (models + (cost.key, float(temperature), cap, rule, chain, str(calibrate), window, build),
                               (models + (cost, cap, chain)) if online else None)
             policy.share_as(())
         policy.calibration_s = cost.measured_s
@@ -367,30 +365,33 @@ class AutoBudget(BlockPolicy):
         return now
 
     def build_sizes(self) -> tuple[int, ...]:
-        """The tree sizes to try this round, in order, each built only when the one before could not settle the
-        choice, the last one the cap: :func:`~ddtree.candidates.build_size` of the drafter nodes verified in the
-        last rounds remembered (so it follows the memory shared by ``share_as``), then its
-        :func:`~ddtree.candidates.build_ladder`; the cap alone for ``edge``."""
-        if self.calibrate == "edge":
+        """The tree sizes to try this round, in order: :func:`~ddtree.candidates.build_size` of the drafter nodes
+        verified in the last rounds remembered (so it follows the memory shared by ``share_as``); for ``"exact"``
+        followed by its :func:`~ddtree.candidates.build_ladder` (each built only when the one before could not
+        settle the choice, the last one the cap); the cap alone for ``"cap"`` and for ``edge``."""
+        if self.calibrate == "edge" or self.build == "cap":
             return (self.cap,)
         recent = (len(r.log_p) for r in itertools.islice(reversed(self.memory.rounds), BUILD_LOOKBACK))
-        return build_ladder(build_size(recent, self.cap), self.cap)
+        first = build_size(recent, self.cap)
+        return build_ladder(first, self.cap) if self.build == "exact" else (first,)
 
     def candidates(self, block: DraftBlock, history: list[int], size: int | None = None
                    ) -> tuple[DraftTree, np.ndarray, float | None]:
         """The drafter's best tree (or chain) of ``size`` nodes (default: the cap), its nodes' calibrated acceptance
         probabilities, and a bound on the probability of every node it left out (:func:`value_bound`; None when it
-        left none out: the cap's tree, or one the drafter cannot fill). Under the conditioned distribution when the
+        left none out -- the cap's tree, or one the drafter cannot fill -- and for ``build="adaptive"``, which
+        chooses among the built tree's prefixes as if it were complete). Under the conditioned distribution when the
         drafter has a Markov head (``block.scorer``, which keeps each children distribution wide enough for the next
         size of the ladder, so that a rebuild reuses them)."""
         size = self.cap if size is None else min(size, self.cap)
-        tree = cap_tree(block, size, self.chain, history, width=min(self.cap, BUILD_LADDER * size))
+        width = min(self.cap, BUILD_LADDER * size) if self.build == "exact" else size  # rows a rebuild would reuse
+        tree = cap_tree(block, size, self.chain, history, width=width)
         self._building += len(tree)
         self._builds += 1
         rounds = self.memory if len(self.memory) >= self.warmup else ()
         probs = calibrated_probs(tree.log_probs.double().numpy(), tree.depths.numpy(), rounds, self.calibrate,
                                  parents=tree.parents.numpy())
-        left_out = len(tree) == size < self.cap
+        left_out = len(tree) == size < self.cap and self.build == "exact"
         return tree, probs, value_bound(float(tree.log_probs[-1]), rounds, self.calibrate) if left_out else None
 
     def choose(self, probs: np.ndarray, beyond: float | None = None, exact: int | None = None) -> int | None:
@@ -440,12 +441,10 @@ _NEXT_TOKEN = itertools.count(1)
 def model_identity(model) -> tuple:
     """What shared ``auto`` state is keyed by for ``model`` (None for no model): (token, weights, dtype, shape).
 
-    ``token``: a number given to this object on first use and never given again, so a model created after another
-    was collected does not inherit its memory (as it would an ``id()``); when the model is collected its entries are
-    dropped. ``weights``: each parameter's and buffer's storage and version counter, which every in-place edit
-    under torch (``load_state_dict``, ``p.mul_(...)`` under ``no_grad``) advances (an edit through ``p.data``
-    bypasses the counter: call :func:`forget_shared_memory` after one). ``shape``: for a drafter the target layers
-    it reads (taps), its width, block size and draft vocabulary size; for a target its width, depth and vocabulary."""
+    ``token``: a number given on first use and never again (a model made after another was collected does not
+    inherit its memory, as it would an ``id()``; a collected model's entries are dropped). ``weights``: each tensor's
+    storage and version counter, which in-place edits advance (one through ``p.data`` does not: call
+    :func:`forget_shared_memory` after it). ``shape``: taps, width, block and vocabulary sizes, depth."""
     if model is None:
         return (None,)
     token = _TOKENS.get(model)

@@ -1,9 +1,11 @@
-"""``auto`` builds only as far as its choice can reach (ddtree.candidates): the same choice as the cap's tree, always.
+"""How far ``auto`` builds (ddtree.candidates). ``build="exact"``: only as far as its choice can reach, the same choice
+as the cap's tree, always. ``build="adaptive"`` (the default): one build at the adaptive size, the best prefix of it.
 
 Oracles: the same policy forced to build the cap's tree every round (the behaviour before the adaptive build), fed
 the same rounds (with a Markov head: on a fresh copy of the round's scorer, so that no row the adaptive builds left in
 its cache can reach the oracle's tree); the complete list's best prefix for :func:`settled_prefix`; every node's
-calibrated value for :func:`value_bound`; hand-computed sizes for the first build and the ladder.
+calibrated value for :func:`value_bound`; hand-computed sizes for the first build and the ladder; for the default
+build, the best prefix of the tree built at the size it announced, computed here from the same memory.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ import pytest
 import torch
 
 from ddtree.budget import AutoBudget, Round, RoundMemory, best_prefix, calibrated_probs, value_bound
-from ddtree.candidates import BUILD_FLOOR, BUILD_LOOKBACK, build_ladder, build_size, settled_prefix
+from ddtree.candidates import BUILD_FLOOR, BUILD_LOOKBACK, build_ladder, build_size, cap_tree, settled_prefix, \
+    truncate_tree
 from ddtree.conditioned import build_markov_tree
 from ddtree.cost import CostModel
 from ddtree.lookup import LookupTreePolicy
 from dflash_core.markov import MarkovHead, MarkovScorer
-from dflash_core.policy import DraftBlock
+from dflash_core.policy import DraftBlock, as_block
 
 CAP = 128
 GRID = (0, 1, 2, 4, 8, 16, 32, 64, 128)
@@ -121,7 +124,8 @@ def test_adaptive_build_chooses_what_the_full_build_chooses(calibrate, rule):
     rng = np.random.default_rng(7)
     cost = curve(rng)
     blocks = [random_logits(rng) for _ in range(60)]
-    auto = run_side_by_side(lambda cls: cls(cost, cap=CAP, calibrate=calibrate, rule=rule), blocks, rng)
+    auto = run_side_by_side(lambda cls: cls(cost, cap=CAP, calibrate=calibrate, rule=rule, build="exact"), blocks,
+                            rng)
     small = [b for b in auto.built if b < CAP]
     assert len(small) > len(auto.built) // 3  # many rounds were settled by a small build: the test is not vacuous
     assert max(auto.rebuilds) > 0 and max(auto.chosen) > 0  # ... and some only by a rebuild
@@ -132,7 +136,7 @@ def test_adaptive_build_on_a_markov_head():
     rng = np.random.default_rng(3)
     cost = curve(rng)
     blocks = [markov_block(rng, seed) for seed in range(30)]
-    auto = run_side_by_side(lambda cls: cls(cost, cap=CAP), blocks, rng)
+    auto = run_side_by_side(lambda cls: cls(cost, cap=CAP, build="exact"), blocks, rng)
     assert min(auto.built) < CAP and max(auto.rebuilds) > 0
 
 
@@ -143,7 +147,7 @@ def test_adaptive_build_with_lookup_branches(calibrate):
     rng = np.random.default_rng(1)
     cost = curve(rng)
     blocks = [random_logits(rng, vocab=60) for _ in range(60)]
-    policy = run_lookup_rounds(AutoBudget(cost, cap=CAP, calibrate=calibrate), blocks, rng)
+    policy = run_lookup_rounds(AutoBudget(cost, build="exact", cap=CAP, calibrate=calibrate), blocks, rng)
     assert sum(b < CAP for b in policy.auto.built) > 5 and sum(policy.lookup_committed) > 0
     assert max(policy.auto.rebuilds) > 0
 
@@ -152,13 +156,13 @@ def test_chain_auto_builds_adaptively_too():
     rng = np.random.default_rng(5)
     cost = curve(rng)
     blocks = [random_logits(rng) for _ in range(30)]
-    run_side_by_side(lambda cls: cls(cost, cap=12, chain=True), blocks, rng)
+    run_side_by_side(lambda cls: cls(cost, cap=12, chain=True, build="exact"), blocks, rng)
 
 
 def test_the_first_build_follows_a_high_quantile_of_recent_sizes():
     """1.25 x the 4th largest of the last 16 verified sizes, rounded up, + 2; at least 8, at most the cap."""
     cost = CostModel((0, CAP), (0.03, 0.03 + CAP * 1e-5), 0.005)
-    policy = AutoBudget(cost, cap=CAP, calibrate=False)
+    policy = AutoBudget(cost, build="exact", cap=CAP, calibrate=False)
     assert policy.build_sizes() == (8, 16, 32, 64, CAP)  # nothing verified yet: the floor
 
     def remember(sizes):
@@ -177,8 +181,9 @@ def test_the_first_build_follows_a_high_quantile_of_recent_sizes():
     assert policy.build_sizes() == (17, 34, 68, CAP)
     assert build_size([], 5) == 5 and build_size([1, 2, 3, 4, 200], CAP) == BUILD_FLOOR  # sorted[3] = 4 -> 7
     assert build_size([8, 9, 10, 11, 12, 8, 9, 10], CAP) == 16  # sorted[6] = 11 -> ceil(13.75) + 2
-    assert AutoBudget(cost, cap=CAP, calibrate="edge").build_sizes() == (CAP,)  # edge: no bound, the cap's tree
-    assert AutoBudget(cost, cap=8).build_sizes() == (8,)
+    # edge: no bound, the cap's tree
+    assert AutoBudget(cost, cap=CAP, calibrate="edge", build="exact").build_sizes() == (CAP,)
+    assert AutoBudget(cost, build="exact", cap=8).build_sizes() == (8,)
     assert build_ladder(0, 0) == (0,) and build_ladder(5, 5) == (5,) and build_ladder(7, 20) == (7, 14, 20)
     with pytest.raises(ValueError, match="at least one node"):
         build_ladder(0, 4)
@@ -186,7 +191,7 @@ def test_the_first_build_follows_a_high_quantile_of_recent_sizes():
 
 def test_the_ladder_doubles_up_to_the_cap_when_only_the_cap_settles():
     cost = CostModel((0, CAP), (0.03, 0.03 + CAP * 1e-5), 0.005)  # nearly free nodes: a confident tree grows large
-    policy = AutoBudget(cost, cap=CAP, calibrate=False)
+    policy = AutoBudget(cost, build="exact", cap=CAP, calibrate=False)
     sure = torch.full((15, 50), -8.0)
     sure[:, :4] = torch.tensor([6.0, 5.5, 5.0, 4.5])  # many likely prefixes: worth far more than any rung
     oracle = FullBuild(cost, cap=CAP, calibrate=False).propose(sure, [1])
@@ -244,7 +249,7 @@ def test_a_rebuild_reuses_every_row_of_the_first_build(monkeypatch):
         fill(self, keys, k)
 
     monkeypatch.setattr(MarkovScorer, "fill", spy)
-    policy = AutoBudget(cost, cap=CAP)
+    policy = AutoBudget(cost, build="exact", cap=CAP)
     history = [int(t) for t in rng.integers(0, 40, 24)]
     twice = 0
     for seed in range(30):
@@ -296,3 +301,48 @@ def test_value_bound_bounds_every_node_below_the_path_probability(method):
             assert bound == pytest.approx(at_top, rel=1e-8)
     with pytest.raises(ValueError, match="edge"):
         value_bound(-1.0, memory, "edge")
+
+
+@pytest.mark.parametrize("markov", [False, True])
+def test_the_default_build_is_one_build_at_the_adaptive_size(markov):
+    """Every round: one build of ``build_sizes()[0]`` nodes and the best prefix of exactly that tree (the oracle
+    builds it with ``cap_tree`` and chooses with ``best_prefix`` over the same calibrated values)."""
+    rng = np.random.default_rng(11)
+    cost = curve(rng)
+    policy = AutoBudget(cost, cap=CAP)
+    assert policy.build == "adaptive"
+    history = [int(t) for t in rng.integers(0, 40, 24)]
+    for i in range(40):
+        block = markov_block(rng, i) if markov else random_logits(rng)
+        as_draft = as_block(block, history, None)
+        (size,) = policy.build_sizes()
+        rounds = policy.memory if len(policy.memory) >= policy.warmup else ()
+        ref = cap_tree(copy.deepcopy(as_draft), size, False, history)
+        probs = calibrated_probs(ref.log_probs.double().numpy(), ref.depths.numpy(), rounds, policy.calibrate,
+                                 parents=ref.parents.numpy())
+        n = best_prefix(probs, policy.curve, policy.rate if policy.rule == "marginal" else None)
+        got = policy.propose(block, history)
+        assert same_tree(got, truncate_tree(ref, n)), i
+        assert policy.rebuilds[-1] == 0 and policy.built[-1] == len(ref) <= size
+        path = accepted_path(rng, got)
+        policy.observe(path)
+        history += [int(got.token_ids[j]) for j in path] + [int(rng.integers(0, 40))]
+    assert len(set(policy.built)) > 1  # the size moved with the rounds
+
+
+def test_the_default_build_grows_while_choices_fill_it():
+    """Nearly free nodes and a confident drafter: each build is chosen whole, so the builds grow round after round
+    (1.25 x the window's high quantile + 2) until the cap."""
+    cost = CostModel((0, CAP), (0.03, 0.03 + CAP * 1e-5), 0.005)
+    policy = AutoBudget(cost, cap=CAP, calibrate=False)
+    sure = torch.full((15, 50), -8.0)
+    sure[:, :4] = torch.tensor([6.0, 5.5, 5.0, 4.5])
+    for _ in range(40):
+        tree = policy.propose(sure, [1])
+        policy.observe(list(range(min(len(tree), 3))))
+    assert policy.built[0] == BUILD_FLOOR and policy.chosen == policy.built  # every build chosen whole
+    assert policy.built == sorted(policy.built) and policy.built[-1] == CAP and policy.built[1] > BUILD_FLOOR
+    assert policy.rebuilds == [0] * 40
+    with pytest.raises(ValueError, match="unknown build"):
+        AutoBudget(cost, build="ladder")
+

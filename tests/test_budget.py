@@ -44,7 +44,7 @@ def test_flat_cost_takes_the_cap_and_steep_cost_shrinks_to_a_chain():
     logits[:, 4] = 1.0
     flat = CostModel((0, 1024), (0.02, 0.02), fixed_s=0.005)
     steep = CostModel((0, 1, 1024), (0.02, 0.021, 20.0), fixed_s=0.005)
-    policy = AutoBudget(flat, cap=40, calibrate=False)
+    policy = AutoBudget(flat, cap=40, calibrate=False, build="exact")  # the choice rule alone: the cap's tree
     assert len(policy.propose(logits, [])) == 40
     chain = AutoBudget(steep, cap=40, calibrate=False).propose(logits, [])
     assert 1 <= len(chain) <= 8
