@@ -96,8 +96,8 @@ def optimizer_step(model, optimizer, embed, head_weight: torch.Tensor,
                    batch: list[tuple[torch.Tensor, SequenceFeatures, torch.Tensor]], wsum: float, cfg: TrainConfig,
                    lr: float, generator: torch.Generator | None = None) -> dict:
     """One optimizer step over this rank's ``batch`` of (ids, features, anchors), normalised by the GLOBAL weight sum
-    ``wsum``: one forward and backward per sequence (gradient accumulation; DDP syncs on the last one only), gradient
-    clipping, AdamW. Returns this rank's loss share, top-1 accuracy at block position 1 and the gradient norm."""
+    ``wsum``: one forward and backward per sequence (gradient accumulation; DDP syncs on the last one only), or with
+    ``cfg.batched`` one padded forward and backward for all of them; gradient clipping, AdamW. Returns this rank's loss share, top-1 accuracy at block position 1 and the gradient norm."""
     _, world = rank_and_world()
     core = getattr(model, "module", model)
     for group in optimizer.param_groups:
@@ -109,14 +109,14 @@ def optimizer_step(model, optimizer, embed, head_weight: torch.Tensor,
 
         s, st = batched_sequence_loss(model, embed, head_weight, batch, cfg, generator)
         (s * (world / wsum)).backward()
-        batch = []
         local_sum, hits, n1 = float(s.detach()), st["hits1"], st["n1"]
-    for j, (ids, feats, anchors) in enumerate(batch):
-        sync = j == len(batch) - 1 or world == 1
-        with (contextlib.nullcontext() if sync else model.no_sync()):
-            s, st = sequence_loss(model, embed, head_weight, ids, feats, anchors, cfg, generator)
-            (s * (world / wsum)).backward()  # DDP averages over ranks: world/wsum makes it sum/wsum
-        local_sum, hits, n1 = local_sum + float(s.detach()), hits + st["hits1"], n1 + st["n1"]
+    else:
+        for j, (ids, feats, anchors) in enumerate(batch):
+            sync = j == len(batch) - 1 or world == 1
+            with (contextlib.nullcontext() if sync else model.no_sync()):
+                s, st = sequence_loss(model, embed, head_weight, ids, feats, anchors, cfg, generator)
+                (s * (world / wsum)).backward()  # DDP averages over ranks: world/wsum makes it sum/wsum
+            local_sum, hits, n1 = local_sum + float(s.detach()), hits + st["hits1"], n1 + st["n1"]
     grad_norm = float(torch.nn.utils.clip_grad_norm_(core.parameters(), cfg.grad_clip))
     optimizer.step()
     return {"loss": local_sum / wsum, "acc1": hits / max(1, n1), "grad_norm": grad_norm}
