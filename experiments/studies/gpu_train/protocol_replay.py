@@ -24,12 +24,6 @@ __all__ = ["references", "replay", "main"]
 BUDGETS = ("chain", 8, 32)
 
 
-def _load_target(name: str, device: torch.device):
-    from .worker import _target
-
-    return _target(name, device)
-
-
 def references(target, pack: str | Path, out: Path, max_new_tokens: int = 128, limit: int | None = None) -> dict:
     """{dataset/sample_id: greedy continuation} of the protocol prompts, written to ``out`` (JSON)."""
     from dflash_core import autoregressive_generate
@@ -78,7 +72,9 @@ def main(argv=None) -> None:
 
     a = parse_args(argv)
     device = resolve_device(a.device)
-    target = _load_target(a.target, device)
+    from .worker import _target
+
+    target = _target(a.target, device)
     t0 = time.perf_counter()
     if a.what == "references":
         refs = references(target, a.pack, Path(a.refs), a.max_new_tokens, a.limit)
