@@ -15,7 +15,7 @@ import json
 import math
 from pathlib import Path
 
-__all__ = ["fit_log_linear", "tokens_for", "scaling_summary", "plot_scaling"]
+__all__ = ["fit_log_linear", "tokens_for", "scaling_summary", "gpu_projection", "plot_scaling"]
 
 
 def fit_log_linear(tokens: list[float], taus: list[float]) -> tuple[float, float] | None:
@@ -57,6 +57,28 @@ def scaling_summary(log: dict, goals: dict[str, float] | None = None) -> dict:
         out[kind] = {"fit": fit, "goal": goal, "tokens_needed": need,
                      "more_tokens": None if need is None else max(0.0, need - last),
                      "cpu_hours": None if need is None or not rate else max(0.0, need - last) / rate / 3600}
+    return out
+
+
+def gpu_projection(log: dict, goals: dict[str, float], series: str = "markov") -> dict:
+    """What the GPU runs of one design's series need to reach ``goals``: per tau kind, the log-linear fit through
+    that series' points, the cumulative tokens the goal needs, the tokens beyond the series' last point, and the
+    GPU minutes that takes at the rate of the log's GPU runs (response tokens seen per training minute, from runs
+    that name a ``gpu`` and record ``response_tokens_seen_est`` and ``train_minutes``). A fit through few points of
+    one design; the minutes are at the recorded rate and schedule, not a promise that the trend holds."""
+    curve = [p for p in log.get("curve", []) if p.get("series", "base") == series]
+    gpu_runs = [r for r in log.get("runs", []) if r.get("gpu") and r.get("response_tokens_seen_est")
+                and r.get("train_minutes")]
+    rate = (sum(r["response_tokens_seen_est"] for r in gpu_runs) / sum(r["train_minutes"] for r in gpu_runs)
+            if gpu_runs else None)
+    last = max((p["tokens"] for p in curve), default=0)
+    out = {"series": series, "points": len(curve), "tokens_per_gpu_minute": rate}
+    for kind, goal in goals.items():
+        fit = fit_log_linear([p["tokens"] for p in curve], [p[kind] for p in curve])
+        need = tokens_for(fit, goal)
+        more = None if need is None else max(0.0, need - last)
+        out[kind] = {"fit": fit, "goal": goal, "tokens_needed": need, "more_tokens": more,
+                     "gpu_minutes": None if more is None or not rate else more / rate}
     return out
 
 
@@ -111,6 +133,7 @@ def main(argv=None) -> None:
     log = json.loads(Path(a.log).read_text())
     print(f"wrote {plot_scaling(log, a.out, a.title)}")
     print(json.dumps(scaling_summary(log), indent=1))
+    print(json.dumps(gpu_projection(log, {"tau_chain": 2.3, "tau_b32": 3.1}), indent=1))
 
 
 if __name__ == "__main__":

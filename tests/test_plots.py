@@ -212,6 +212,16 @@ def test_plots_do_not_import_torch():
     assert out.strip() == "[]"
 
 
+def test_bootstrap_ci_of_one_value_is_its_statistic():
+    from experiments.bench.schema import bootstrap_ci
+
+    def ratio(pairs):  # a statistic over tuples: one value's interval is that statistic, not the tuple itself
+        return sum(a for a, _ in pairs) / sum(b for _, b in pairs)
+
+    assert bootstrap_ci([(3, 2)], statistic=ratio) == (1.5, 1.5)
+    assert bootstrap_ci([2.5]) == (2.5, 2.5) and bootstrap_ci([]) == (None, None)
+
+
 def test_bootstrap_interval_of_the_median():
     import random
     import statistics
@@ -279,6 +289,21 @@ def test_scaling_fit_recovers_a_log_linear_curve_and_projects_the_goal(tmp_path)
     assert summary["tau_chain"]["more_tokens"] == pytest.approx(1e8 - 3e7)
     assert summary["tau_chain"]["cpu_hours"] == pytest.approx((1e8 - 3e7) / 500 / 3600)
     assert plot_scaling(log, tmp_path / "s.png").stat().st_size > 1000
+
+
+def test_gpu_projection_fits_one_series_and_prices_gpu_minutes():
+    from plots.scaling import gpu_projection
+
+    log = {"curve": [{"tokens": 1e6, "tau_chain": 1.0, "tau_b32": 2.0},  # the base design: not in the fit
+                     {"series": "markov", "tokens": 1e7, "tau_chain": 2.0, "tau_b32": 3.0},
+                     {"series": "markov", "tokens": 2e7, "tau_chain": 2.0 + 0.5 * math.log10(2), "tau_b32": 3.0}],
+           "runs": [{"gpu": "H200", "response_tokens_seen_est": 2e6, "train_minutes": 4.0},
+                    {"cpu": "EPYC", "tokens": 9e9, "train_minutes": 1.0}]}  # a CPU run: not a GPU rate
+    got = gpu_projection(log, {"tau_chain": 2.5, "tau_b32": 3.5})
+    assert got["points"] == 2 and got["tokens_per_gpu_minute"] == pytest.approx(5e5)
+    assert got["tau_chain"]["tokens_needed"] == pytest.approx(1e8)  # 2.0 at 1e7, +0.5 per decade
+    assert got["tau_chain"]["gpu_minutes"] == pytest.approx((1e8 - 2e7) / 5e5)
+    assert got["tau_b32"]["tokens_needed"] is None and got["tau_b32"]["gpu_minutes"] is None  # flat: no projection
 
 
 def test_paired_tau_change_between_two_evaluations():

@@ -345,7 +345,8 @@ def bootstrap_ci(values: list[float], statistic=None, level: float = 0.95, resam
     if not values:
         return None, None
     if len(values) == 1:
-        return values[0], values[0]
+        point = statistic(values)
+        return point, point
     rng = random.Random(seed)
     stats = sorted(statistic(rng.choices(values, k=len(values))) for _ in range(resamples))
     tail = (1 - level) / 2

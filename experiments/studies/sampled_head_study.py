@@ -228,8 +228,7 @@ def paired_ratio(rows: list[dict], name: str, baseline: str, seed: int = 0) -> d
     if not values:
         return {"ratio": None, "lo": None, "hi": None, "prompts": 0}
     point = _pooled_ratio(values)
-    # bootstrap_ci returns a lone value itself (here a tuple, not the statistic): one prompt has a zero-width interval
-    lo, hi = bootstrap_ci(values, statistic=_pooled_ratio, seed=seed) if len(values) > 1 else (point, point)
+    lo, hi = bootstrap_ci(values, statistic=_pooled_ratio, seed=seed)
     return {"ratio": point, "lo": lo, "hi": hi, "prompts": len(values)}
 
 
