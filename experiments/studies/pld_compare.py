@@ -99,16 +99,19 @@ def _timed(run, ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], dict
 def compare_prompts(target, prompts: Sequence[Sequence[int]], methods: Sequence[str] = METHODS,
                     max_new_tokens: int = 128, stop_token_ids: Sequence[int] = (), pad_token_id: int | None = None,
                     warmup: Sequence[int] | None = None, labels: Sequence[dict] | None = None,
-                    log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+                    log: Callable[[str], None] | None = None, runners: dict[str, Callable] | None = None,
+                    pairs: Sequence[tuple[str, str]] = EQUALITY_PAIRS) -> list[dict[str, Any]]:
     """One row per prompt (token id lists): every method run on it, in an order rotated by one per prompt.
 
     ``warmup``: a short prompt each method runs once, untimed, first. ``labels``: extra fields per row (dataset,
     sample id). A row holds the order, per method its new tokens, seconds and tokens/s, the outputs, and per pair of
-    :data:`EQUALITY_PAIRS` whether the outputs are equal and where they first differ.
+    ``pairs`` whether the outputs are equal and where they first differ. ``runners``: ``{name: run(ids,
+    max_new_tokens) -> (new ids, extra)}`` to compare other generators (then ``methods`` is ignored).
     """
-    methods = list(methods)
     device = next(target.parameters()).device
-    runners = {m: make_generator(m, target, stop_token_ids, pad_token_id) for m in methods}
+    if runners is None:
+        runners = {m: make_generator(m, target, stop_token_ids, pad_token_id) for m in methods}
+    methods = list(runners)
     if warmup is not None:
         warm = torch.tensor([list(warmup)], dtype=torch.long, device=device)
         for m in methods:
@@ -124,7 +127,7 @@ def compare_prompts(target, prompts: Sequence[Sequence[int]], methods: Sequence[
             stats[m] = {"tokens": len(outputs[m]), "seconds": seconds,
                         "tok_s": len(outputs[m]) / max(seconds, 1e-9), **extra}
         equal, first_diff = {}, {}
-        for a, b in EQUALITY_PAIRS:
+        for a, b in pairs:
             if a in outputs and b in outputs:
                 first_diff[f"{a}~{b}"] = _first_difference(outputs[a], outputs[b])
                 equal[f"{a}~{b}"] = first_diff[f"{a}~{b}"] is None

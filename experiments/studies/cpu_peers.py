@@ -1,0 +1,305 @@
+"""The embedded target on this CPU against what a user would run instead, side by side, and its step against the
+memory floor: ``python -m experiments.studies.cpu_peers``.
+
+Greedy, the same first-turn prompts of the benchmark (default: gsm8k, humaneval, mt-bench, grounded; 2 each), every
+method on every prompt in an order rotated per prompt (``pld_compare.compare_prompts``), each call timed whole
+(prefill included), after one untimed warm-up of each method:
+
+* ``ar``            -- :func:`dflash_core.autoregressive_generate`, our plain decoding (the baseline of every speedup);
+* ``hf_greedy``     -- transformers' ``generate()`` greedy on the same model object;
+* ``llama_cpp``     -- llama.cpp through ``llama-cpp-python`` on the very GGUF file the toolkit ships (Q4_1), greedy
+  (``top_k=1``, no repeat penalty), ``--threads`` threads; its weights are the 4-bit originals, so its text may leave
+  ours where a 4-bit product rounds a near-tie the other way (reported: tokens equal to ``ar`` and the first
+  difference);
+* ``dflash``, ``ddtree_auto``, ``ddtree_lookup`` -- the shipped drafter's chain, DDTree with ``budget="auto"``, and
+  DDTree ``auto`` with lookup branches.
+
+llama.cpp runs in this process; a crash would take the study down, so a one-batch probe runs first in a child process
+with the extra (repacked / AMX) weight buffers and, if that probe dies, again without them (``use_extra_bufts=False``);
+what was used and why is recorded. Without the package the method is skipped with the reason.
+
+The floor part (``--floor``, on by default): the bytes of weights one plain step reads (every parameter once; tied
+embeddings once), the machine's read bandwidth (median of timed reductions over a 512 MiB tensor), the floor
+``bytes / bandwidth``, the median one-token step and the verify cost curve (one forward appending N = 1 ... 64 tokens
+under a tree mask to a 200-token cache) of our target forward. Prints tables; ``--out`` writes one JSON atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from experiments.studies.pld_compare import benchmark_prompts, compare_prompts, make_generator
+
+__all__ = ["METHODS", "probe_llama_cpp", "make_llama_cpp", "make_ours", "memory_floor", "summarize", "main"]
+
+METHODS = ("ar", "hf_greedy", "llama_cpp", "dflash", "ddtree_auto", "ddtree_lookup")
+DEFAULT_DATASETS = ("gsm8k", "humaneval", "mt-bench", "grounded")
+VERIFY_NODES = (1, 2, 4, 8, 16, 32, 64)
+PROBE = """
+import sys
+from llama_cpp import Llama, llama_cpp
+extra = sys.argv[2] == "1"
+default = llama_cpp.llama_model_default_params
+def params():
+    p = default(); p.use_extra_bufts = extra; return p
+llama_cpp.llama_model_default_params = params
+llm = Llama(model_path=sys.argv[1], n_threads=int(sys.argv[3]), n_ctx=256, verbose=False)
+llm.eval(list(range(1, 33)))
+print("ok")
+"""
+
+
+def log(message: str) -> None:
+    print(f"[cpu_peers] {message}", file=sys.stderr, flush=True)
+
+
+def probe_llama_cpp(gguf: str, threads: int) -> dict[str, Any]:
+    """Whether llama.cpp can evaluate a batch on this CPU: tried in a child process with the extra weight buffers,
+    then without them. ``{"usable": bool, "extra_bufts": bool | None, "tries": [...]}``."""
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        return {"usable": False, "extra_bufts": None,
+                "why": "llama-cpp-python is not installed (`pip install llama-cpp-python` builds llama.cpp from source: "
+                       "about 8 minutes on 2 cores, needs gcc and cmake)", "tries": []}
+    tries = []
+    for extra in (True, False):
+        proc = subprocess.run([sys.executable, "-c", PROBE, gguf, "1" if extra else "0", str(threads)],
+                              capture_output=True, text=True, timeout=300)
+        tries.append({"extra_bufts": extra, "returncode": proc.returncode, "stderr_tail": proc.stderr[-600:]})
+        if proc.returncode == 0 and proc.stdout.strip().endswith("ok"):
+            return {"usable": True, "extra_bufts": extra, "tries": tries}
+    return {"usable": False, "extra_bufts": None, "why": "every probe failed (see tries)", "tries": tries}
+
+
+def make_llama_cpp(gguf: str, threads: int, extra_bufts: bool, stop_token_ids: Sequence[int],
+                   n_ctx: int = 4096) -> Callable[[torch.Tensor, int], tuple[list[int], dict]]:
+    """``run(input_ids [1, T], max_new_tokens) -> (new ids, {})``: llama.cpp greedy on ``gguf`` (the stop token
+    included when hit, as our methods return it)."""
+    from llama_cpp import Llama, llama_cpp
+
+    default = llama_cpp.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = extra_bufts
+        return p
+    llama_cpp.llama_model_default_params = params  # Llama() takes no such argument; restored right after loading
+    try:
+        llm = Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, verbose=False)
+    finally:
+        llama_cpp.llama_model_default_params = default
+    stops = {int(s) for s in stop_token_ids}
+
+    def run(ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], dict]:
+        llm.reset()  # no prefix reuse from the previous prompt: every call prefills its whole prompt
+        out: list[int] = []
+        for token in llm.generate(ids[0].tolist(), top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
+            out.append(int(token))
+            if int(token) in stops or len(out) >= max_new_tokens:
+                break
+        return out, {}
+    return run
+
+
+def make_ours(method: str, target, draft, stop_token_ids: Sequence[int]) -> Callable:
+    """Our speculative methods as ``run(ids, max_new_tokens) -> (new ids, {"rounds", "tau"})``."""
+    from ddtree import ddtree_generate
+
+    settings = {"dflash": {"budget": "chain"}, "ddtree_auto": {"budget": "auto"},
+                "ddtree_lookup": {"budget": "auto", "lookup": True}}[method]
+    stops = [int(s) for s in stop_token_ids]
+
+    def run(ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], dict]:
+        res = ddtree_generate(target, draft, ids, max_new_tokens=max_new_tokens, stop_token_ids=stops, **settings)
+        return res.new_token_ids, {"rounds": len(res.acceptance_lengths), "tau": res.tau}
+    return run
+
+
+def _weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter, each storage once (tied embeddings and LM head count once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        key = p.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += p.untyped_storage().nbytes()
+    return total
+
+
+def memory_floor(target, draft, repeats: int = 15, context: int = 200) -> dict[str, Any]:
+    """Weight bytes, read bandwidth, the floor, the one-token step and the verify curve of our target forward."""
+    from dflash_core.target import TargetAdapter
+    from dflash_core.timing import median_seconds
+
+    big = torch.ones(256 * 1024 * 1024, dtype=torch.bfloat16)  # 512 MiB: far beyond any cache
+    read_s = median_seconds(lambda: big.sum(), repeats=7, warmup=2)
+    bandwidth = big.numel() * big.element_size() / read_s
+    del big
+    adapter = TargetAdapter(target, draft.config.target_layer_ids)
+    cache = adapter.new_cache()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, adapter.vocab_size, (context + max(VERIFY_NODES),), generator=gen)
+    adapter.forward(ids[:context], torch.arange(context), cache, last_only=True)
+    curve = {}
+    for n in VERIFY_NODES:
+        tree = torch.tril(torch.ones(n, n, dtype=torch.bool))  # a chain-shaped tree: the mask path of a verify
+
+        def verify(n=n, tree=tree):
+            adapter.forward(ids[context:context + n], torch.arange(context, context + n), cache,
+                            visibility=None if n == 1 else tree, last_only=n == 1)
+            adapter.crop(cache, context)
+        curve[n] = median_seconds(verify, repeats=repeats, warmup=2) * 1e3
+    weights = _weight_bytes(target)
+    floor_ms = weights / bandwidth * 1e3
+    return {"weight_bytes": weights, "bandwidth_gb_s": bandwidth / 1e9, "floor_ms": floor_ms,
+            "step_ms": curve[1], "step_over_floor": curve[1] / floor_ms, "context": context,
+            "verify_ms": {str(n): v for n, v in curve.items()},
+            "verify_over_step": {str(n): v / curve[1] for n, v in curve.items()}}
+
+
+def summarize(rows: list[dict]) -> dict[str, dict[str, Any]]:
+    """Per method: tokens, seconds, token-weighted tokens/s and ms per token, the median per-prompt tokens/s ratio
+    over ``ar`` and over ``llama_cpp`` (where measured), tau, and the prompts whose output equals ``ar``'s."""
+    methods = list(rows[0]["methods"]) if rows else []
+    out = {}
+    for m in methods:
+        tokens = sum(r["methods"][m]["tokens"] for r in rows)
+        seconds = sum(r["methods"][m]["seconds"] for r in rows)
+        entry: dict[str, Any] = {"tokens": tokens, "seconds": seconds, "tok_s": tokens / max(seconds, 1e-12),
+                                 "ms_per_token": seconds / max(tokens, 1) * 1e3}
+        for base in ("ar", "llama_cpp"):
+            if base in methods:
+                entry[f"over_{base}"] = statistics.median(
+                    r["methods"][m]["tok_s"] / max(r["methods"][base]["tok_s"], 1e-12) for r in rows)
+        taus = [r["methods"][m]["tau"] for r in rows if "tau" in r["methods"][m]]
+        if taus:
+            entry["tau"] = statistics.fmean(taus)
+        if m != "ar" and f"{m}~ar" in rows[0]["equal"]:
+            entry["equal_to_ar"] = sum(r["equal"][f"{m}~ar"] for r in rows)
+        out[m] = entry
+    return out
+
+
+def format_tables(summary: dict, floor: dict | None, prompts: int) -> str:
+    lines = [f"{'method':<15}{'tok/s':>8}{'ms/token':>10}{'x ar':>8}{'x llama.cpp':>13}{'tau':>7}{'equal ar':>10}"]
+    for m, s in summary.items():
+        eq = f"{s['equal_to_ar']}/{prompts}" if "equal_to_ar" in s else "-"
+        lines.append(f"{m:<15}{s['tok_s']:>8.1f}{s['ms_per_token']:>10.2f}{s.get('over_ar', float('nan')):>8.2f}"
+                     f"{s.get('over_llama_cpp', float('nan')):>13.2f}{s.get('tau', float('nan')):>7.2f}{eq:>10}")
+    if floor:
+        lines.append(f"plain step {floor['step_ms']:.2f} ms; floor {floor['floor_ms']:.2f} ms "
+                     f"({floor['weight_bytes'] / 1e6:.0f} MB at {floor['bandwidth_gb_s']:.1f} GB/s): "
+                     f"{floor['step_over_floor']:.2f}x the floor")
+        lines.append("verify ms (N tokens): " + ", ".join(f"{n}: {v:.1f}" for n, v in floor["verify_ms"].items()))
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m experiments.studies.cpu_peers", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--datasets", default=",".join(DEFAULT_DATASETS), help="comma-separated (first turns only)")
+    p.add_argument("--max-samples", type=int, default=2, help="prompts per dataset")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
+    p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto")
+    p.add_argument("--cpu-kernels", choices=("auto", "torch", "packed"), default="auto")
+    p.add_argument("--threads", type=int, default=2, help="torch threads and llama.cpp threads")
+    p.add_argument("--no-floor", dest="floor", action="store_false", help="skip the memory-floor part")
+    p.add_argument("--out", default="runs/cpu_peers/cpu_peers.json")
+    args = p.parse_args(argv)
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in args.methods if m not in METHODS]
+    if bad or not args.methods:
+        p.error(f"--methods: unknown {bad}; use a subset of {','.join(METHODS)}")
+    args.datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
+    return args
+
+
+def _runners(args, target, draft, stops, pad) -> tuple[dict[str, Callable], dict | None]:
+    from dflash_core.default import gguf_path
+
+    runners: dict[str, Callable] = {}
+    llama = None
+    for m in args.methods:
+        if m in ("ar", "hf_greedy"):
+            runners[m] = make_generator(m, target, stops, pad)
+        elif m == "llama_cpp":
+            gguf = str(gguf_path())
+            llama = {"gguf": gguf, **probe_llama_cpp(gguf, args.threads)}
+            log(f"llama.cpp: {'usable' if llama['usable'] else 'NOT usable'}"
+                + (f", extra weight buffers {'on' if llama['extra_bufts'] else 'off'}" if llama["usable"] else
+                   f": {llama.get('why')}"))
+            if llama["usable"]:
+                runners[m] = make_llama_cpp(gguf, args.threads, llama["extra_bufts"], stops)
+        else:
+            runners[m] = make_ours(m, target, draft, stops)
+    return runners, llama
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    import transformers
+    from dflash_core import load_default_pair
+    from dflash_core.cpu_kernels import apply_cpu_kernels
+    from dflash_core.default import default_dtype, stop_token_ids
+    from dflash_core.pools.catalog import build_chat
+    from dflash_core.timing import machine_identity
+    from experiments.bench.schema import write_json_atomic
+    from experiments.bench.session import WARMUP_PROMPT
+
+    transformers.utils.logging.set_verbosity_error()
+    device = torch.device("cpu")
+    dtype = {"auto": default_dtype(device), "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    target, draft, tokenizer = load_default_pair(dtype, device)
+    kernels = apply_cpu_kernels(target, draft, kernels=args.cpu_kernels)
+    stops = stop_token_ids(tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+    runners, llama = _runners(args, target, draft, stops, pad)
+    prompts, labels = benchmark_prompts(tokenizer, args.datasets, args.max_samples)
+    warmup = build_chat(tokenizer, [WARMUP_PROMPT])
+    log(f"{len(prompts)} prompts x {len(runners)} methods x {args.max_new_tokens} tokens, "
+        f"{str(target.dtype).removeprefix('torch.')}, kernels {kernels}, {args.threads} threads")
+    t0 = time.perf_counter()
+    pairs = [(m, "ar") for m in runners if m != "ar"]
+    rows = compare_prompts(target, prompts, max_new_tokens=args.max_new_tokens, warmup=warmup, labels=labels, log=log,
+                           runners=runners, pairs=pairs)
+    floor = memory_floor(target, draft) if args.floor else None
+    summary = summarize(rows)
+    print(format_tables(summary, floor, len(rows)))
+    record = {"schema": "cpu_peers/1", "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "command_line": [sys.executable, "-m", "experiments.studies.cpu_peers",
+                               *(sys.argv[1:] if argv is None else argv)],
+              "machine": {**machine_identity(), "platform": platform.platform()},
+              "dtype": str(target.dtype).removeprefix("torch."), "cpu_kernels": kernels, "threads": args.threads,
+              "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                           "llama_cpp": _version("llama_cpp_python"), "python": platform.python_version()},
+              "settings": {"datasets": args.datasets, "max_samples": args.max_samples,
+                           "max_new_tokens": args.max_new_tokens, "methods": list(runners), "stop_token_ids": stops},
+              "llama_cpp": llama, "wall_s": time.perf_counter() - t0, "summary": summary, "floor": floor,
+              "rows": rows}
+    write_json_atomic(args.out, record)
+    log(f"wrote {args.out}")
+    return 0
+
+
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,84 @@
+"""The CPU peers study: its summary by hand, the bytes a step reads, the floor part on a tiny pair, the llama.cpp
+probe's refusal without the package, and our methods through the shared runner (lossless in fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from experiments.studies import cpu_peers
+
+
+def _row(tok_s: dict[str, float], equal: dict[str, bool], tau: dict[str, float] | None = None) -> dict:
+    methods = {m: {"tokens": 10, "seconds": 10 / v, "tok_s": v, **({"tau": tau[m]} if tau and m in tau else {})}
+               for m, v in tok_s.items()}
+    return {"methods": methods, "equal": {f"{m}~ar": e for m, e in equal.items()}}
+
+
+def test_summary_by_hand():
+    rows = [_row({"ar": 20.0, "llama_cpp": 100.0, "ddtree_auto": 40.0}, {"llama_cpp": False, "ddtree_auto": True},
+                 {"ddtree_auto": 2.0}),
+            _row({"ar": 25.0, "llama_cpp": 125.0, "ddtree_auto": 25.0}, {"llama_cpp": True, "ddtree_auto": True},
+                 {"ddtree_auto": 3.0})]
+    s = cpu_peers.summarize(rows)
+    assert s["ar"]["tok_s"] == pytest.approx(20 / (0.5 + 0.4))  # token-weighted: total tokens over total seconds
+    assert s["ar"]["ms_per_token"] == pytest.approx(0.9 / 20 * 1e3)
+    assert s["ddtree_auto"]["over_ar"] == pytest.approx(1.5)  # median of 2.0 and 1.0
+    assert s["ddtree_auto"]["over_llama_cpp"] == pytest.approx((0.4 + 0.2) / 2)
+    assert s["llama_cpp"]["over_ar"] == pytest.approx(5.0)
+    assert s["ddtree_auto"]["tau"] == pytest.approx(2.5) and "tau" not in s["ar"]
+    assert s["llama_cpp"]["equal_to_ar"] == 1 and s["ddtree_auto"]["equal_to_ar"] == 2 and "equal_to_ar" not in s["ar"]
+    table = cpu_peers.format_tables(s, None, 2)
+    assert "1/2" in table and "2/2" in table
+
+
+def test_weight_bytes_count_a_shared_storage_once():
+    from torch import nn
+
+    emb = nn.Embedding(100, 8)
+    head = nn.Linear(8, 100, bias=False)
+    head.weight = emb.weight  # tied, as SmolLM2's embeddings and LM head
+    model = nn.ModuleDict({"emb": emb, "head": head, "proj": nn.Linear(8, 8)})
+    assert cpu_peers._weight_bytes(model) == (100 * 8 + 8 * 8 + 8) * 4
+
+
+def test_memory_floor_on_a_tiny_pair():
+    from experiments.bench.models import random_draft, tiny_target
+
+    target = tiny_target()
+    draft = random_draft(target, layers=1, taps=2, block_size=8)
+    got = cpu_peers.memory_floor(target, draft, repeats=2, context=16)
+    params = sum(p.numel() * p.element_size() for p in target.parameters())  # the tiny target ties nothing
+    assert got["weight_bytes"] == params
+    assert got["bandwidth_gb_s"] > 0.1 and got["floor_ms"] == pytest.approx(params / got["bandwidth_gb_s"] / 1e6)
+    assert list(got["verify_ms"]) == [str(n) for n in cpu_peers.VERIFY_NODES]
+    assert got["verify_over_step"]["1"] == pytest.approx(1.0) and got["step_ms"] == got["verify_ms"]["1"]
+    assert all(v > 0 for v in got["verify_ms"].values())
+
+
+def test_llama_cpp_probe_says_why_without_the_package(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    got = cpu_peers.probe_llama_cpp("/nowhere.gguf", 1)
+    assert got["usable"] is False and "llama-cpp-python" in got["why"] and got["tries"] == []
+
+
+def test_our_methods_run_through_the_study_runner():
+    from experiments.bench.models import random_draft, tiny_target
+    from experiments.studies.pld_compare import compare_prompts
+
+    target = tiny_target()
+    draft = random_draft(target, layers=1, taps=2, block_size=8)
+    runners = {"ar": cpu_peers.make_generator("ar", target, [], 0),
+               "dflash": cpu_peers.make_ours("dflash", target, draft, []),
+               "ddtree_auto": cpu_peers.make_ours("ddtree_auto", target, draft, [])}
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, target.config.vocab_size, (12,), generator=g).tolist() for _ in range(2)]
+    rows = compare_prompts(target, prompts, max_new_tokens=8, runners=runners,
+                           pairs=[("dflash", "ar"), ("ddtree_auto", "ar")])
+    s = cpu_peers.summarize(rows)
+    assert s["dflash"]["equal_to_ar"] == 2 and s["ddtree_auto"]["equal_to_ar"] == 2  # fp32: lossless
+    assert [r["order"] for r in rows] == [["ar", "dflash", "ddtree_auto"], ["dflash", "ddtree_auto", "ar"]]
+    assert all(r["methods"]["ar"]["tokens"] == 8 for r in rows)
