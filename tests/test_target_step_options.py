@@ -104,3 +104,10 @@ def test_shared_input_serves_only_the_same_input_in_turn_and_equals_separate_pro
         kp.weight.mul_(-2.0)  # an in-place update: the shared product is packed again
         assert torch.allclose(qp(x), F.linear(x, qp.weight), atol=1e-6)
         assert torch.allclose(kp(x), F.linear(x, kp.weight), atol=1e-6)
+
+
+def test_static_cache_step_runs_both_caches_on_the_same_context():
+    from experiments.bench.models import tiny_target
+
+    got = tso.static_cache_step_ms(tiny_target(), context=16, max_len=64, repeats=2)
+    assert got["dynamic"] > 0 and got["static"] > 0 and got["context"] == 16 and got["max_cache_len"] == 64

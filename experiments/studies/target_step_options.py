@@ -15,6 +15,8 @@ option for each N so that drift hits them alike. Options:
 * ``int4``    -- the GGUF's own 4-bit weights: every decoder-layer linear of the Q4_1 file (blocks of 32 values
   ``d * q + m``, q in 0..15) recovered exactly from the dequantized fp32 copy (the check is reported) and run by
   ``torch._weight_int4pack_mm_for_cpu`` with group size 32 (scale ``d``, zero ``m + 8 d``, stored in bf16);
+* a static KV cache -- transformers' ``StaticCache`` against its ``DynamicCache`` for the one-token step of the
+  packed model (:func:`static_cache_step_ms`);
 * ``compile`` -- ``torch.compile(dynamic=True)`` of the model's forward with ``nn.Linear`` layers (CPU inductor picks
   its own kernels; it cannot lower the packed layers' oneDNN calls); its compile seconds are reported.
 
@@ -203,6 +205,35 @@ def verify_curve(target: nn.Module, layer_ids: Sequence[int], nodes: Sequence[in
     return calls
 
 
+@torch.inference_mode()
+def static_cache_step_ms(target: nn.Module, context: int = 200, max_len: int = 1024, repeats: int = 15) -> dict:
+    """The one-token step with transformers' ``StaticCache`` (preallocated to ``max_len``, written in place) against
+    its ``DynamicCache`` (grown by concatenation), same model, same context, interleaved: the price of a static
+    cache for plain decoding (the tree path's cache compaction is not ported to it, so only the step is priced)."""
+    from transformers import DynamicCache, StaticCache
+
+    from dflash_core.timing import median_seconds
+
+    ids = torch.randint(0, target.config.vocab_size, (1, context + 1), generator=torch.Generator().manual_seed(0))
+    caches = {"dynamic": DynamicCache(), "static": StaticCache(config=target.config, max_cache_len=max_len)}
+    for cache in caches.values():
+        target(input_ids=ids[:, :context], past_key_values=cache, use_cache=True,
+               cache_position=torch.arange(context), logits_to_keep=1)
+
+    def step(kind: str) -> None:
+        cache = caches[kind]
+        target(input_ids=ids[:, context:], past_key_values=cache, use_cache=True,
+               cache_position=torch.tensor([context]), logits_to_keep=1)
+        if kind == "dynamic":
+            for layer in cache.layers:  # back to `context` entries: every call appends to the same context
+                layer.keys, layer.values = layer.keys[..., :context, :], layer.values[..., :context, :]
+    out = {k: [] for k in caches}
+    for _ in range(3):
+        for kind in caches:
+            out[kind].append(median_seconds(lambda kind=kind: step(kind), repeats=repeats, warmup=2) * 1e3)
+    return {k: statistics.median(v) for k, v in out.items()} | {"context": context, "max_cache_len": max_len}
+
+
 def measure(options: Sequence[str], repeats: int, log: Callable[[str], None]) -> dict[str, Any]:
     from dflash_core.default import DEFAULT_DRAFT_DIR, default_dtype, load_default_target
     from dflash_core.model import load_draft
@@ -232,7 +263,10 @@ def measure(options: Sequence[str], repeats: int, log: Callable[[str], None]) ->
         for option in options:
             curves[option][str(n)] = median_seconds(calls[option][n], repeats=repeats, warmup=1) * 1e3
         log(f"N={n}: " + "  ".join(f"{o} {curves[o][str(n)]:.1f}" for o in options))
-    return {"dtype": str(dtype).removeprefix("torch."), "curves_ms": curves, "notes": notes}
+    static = static_cache_step_ms(models["packed"]) if "packed" in models else None
+    if static:
+        log(f"one-token step, packed: DynamicCache {static['dynamic']:.1f} ms, StaticCache {static['static']:.1f} ms")
+    return {"dtype": str(dtype).removeprefix("torch."), "curves_ms": curves, "notes": notes, "static_cache": static}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
