@@ -10,7 +10,8 @@ from experiments.studies import cpu_peers
 
 
 def _row(tok_s: dict[str, float], equal: dict[str, bool], tau: dict[str, float] | None = None) -> dict:
-    methods = {m: {"tokens": 10, "seconds": 10 / v, "tok_s": v, **({"tau": tau[m]} if tau and m in tau else {})}
+    methods = {m: {"tokens": 10, "seconds": 10 / v, "tok_s": v, **({"tau": tau[m]} if tau and m in tau else {}),
+                   **({"prefill_s": 0.05} if m != "llama_cpp" else {})}
                for m, v in tok_s.items()}
     return {"methods": methods, "equal": {f"{m}~ar": e for m, e in equal.items()}}
 
@@ -27,6 +28,8 @@ def test_summary_by_hand():
     assert s["ddtree_auto"]["over_llama_cpp"] == pytest.approx((0.4 + 0.2) / 2)
     assert s["llama_cpp"]["over_ar"] == pytest.approx(5.0)
     assert s["ddtree_auto"]["tau"] == pytest.approx(2.5) and "tau" not in s["ar"]
+    assert s["ar"]["decode_ms_per_token"] == pytest.approx((0.9 - 0.1) / 18 * 1e3)  # 2 x 9 tokens after the first
+    assert s["ar"]["prefill_s"] == pytest.approx(0.1) and "decode_ms_per_token" not in s["llama_cpp"]
     assert s["llama_cpp"]["equal_to_ar"] == 1 and s["ddtree_auto"]["equal_to_ar"] == 2 and "equal_to_ar" not in s["ar"]
     table = cpu_peers.format_tables(s, None, 2)
     assert "1/2" in table and "2/2" in table
@@ -82,3 +85,18 @@ def test_our_methods_run_through_the_study_runner():
     assert s["dflash"]["equal_to_ar"] == 2 and s["ddtree_auto"]["equal_to_ar"] == 2  # fp32: lossless
     assert [r["order"] for r in rows] == [["ar", "dflash", "ddtree_auto"], ["dflash", "ddtree_auto", "ar"]]
     assert all(r["methods"]["ar"]["tokens"] == 8 for r in rows)
+    assert all(0 < r["methods"][m]["prefill_s"] < r["methods"][m]["seconds"] for r in rows for m in runners)
+
+
+def test_llama_cpp_runner_greedy_on_the_shipped_gguf():
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the study then skips llama.cpp)")
+    from dflash_core.default import gguf_path
+
+    run = cpu_peers.make_llama_cpp(str(gguf_path()), threads=1, extra_bufts=False, stop_token_ids=[2], n_ctx=256)
+    ids = torch.tensor([[1, 4093, 198, 1780, 359, 1296, 5608, 327, 9286, 2458, 47, 2, 198, 1, 520, 9531, 198]])
+    first, extra = run(ids, 12)
+    again, _ = run(ids, 12)
+    assert len(first) == 12 and first == again  # greedy: the same text twice, no state left from the first call
+    assert 0 < extra["prefill_s"]
+    short, _ = run(ids, 3)
+    assert short == first[:3]

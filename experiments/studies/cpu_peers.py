@@ -14,6 +14,10 @@ method on every prompt in an order rotated per prompt (``pld_compare.compare_pro
 * ``dflash``, ``ddtree_auto``, ``ddtree_lookup`` -- the shipped drafter's chain, DDTree with ``budget="auto"``, and
   DDTree ``auto`` with lookup branches.
 
+Besides whole-call rates, the decode rate after the first token (ms per token of the rest; the prompt's forward and
+the first token are the prefill: ours from the loop's own timing, llama.cpp's up to its first token; transformers'
+``generate()`` does not split them).
+
 llama.cpp runs in this process; a crash would take the study down, so a one-batch probe runs first in a child process
 with the extra (repacked / AMX) weight buffers and, if that probe dies, again without them (``use_extra_bufts=False``);
 what was used and why is recorded. Without the package the method is skipped with the reason.
@@ -102,11 +106,14 @@ def make_llama_cpp(gguf: str, threads: int, extra_bufts: bool, stop_token_ids: S
     def run(ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], dict]:
         llm.reset()  # no prefix reuse from the previous prompt: every call prefills its whole prompt
         out: list[int] = []
+        t0, prefill_s = time.perf_counter(), 0.0
         for token in llm.generate(ids[0].tolist(), top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
+            if not out:  # the prompt's forward and the first token, as our prefill
+                prefill_s = time.perf_counter() - t0
             out.append(int(token))
             if int(token) in stops or len(out) >= max_new_tokens:
                 break
-        return out, {}
+        return out, {"prefill_s": prefill_s}
     return run
 
 
@@ -120,7 +127,8 @@ def make_ours(method: str, target, draft, stop_token_ids: Sequence[int]) -> Call
 
     def run(ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], dict]:
         res = ddtree_generate(target, draft, ids, max_new_tokens=max_new_tokens, stop_token_ids=stops, **settings)
-        return res.new_token_ids, {"rounds": len(res.acceptance_lengths), "tau": res.tau}
+        return res.new_token_ids, {"rounds": len(res.acceptance_lengths), "tau": res.tau,
+                                   "prefill_s": res.timings.get("prefill", 0.0)}
     return run
 
 
@@ -176,6 +184,10 @@ def summarize(rows: list[dict]) -> dict[str, dict[str, Any]]:
         seconds = sum(r["methods"][m]["seconds"] for r in rows)
         entry: dict[str, Any] = {"tokens": tokens, "seconds": seconds, "tok_s": tokens / max(seconds, 1e-12),
                                  "ms_per_token": seconds / max(tokens, 1) * 1e3}
+        if all("prefill_s" in r["methods"][m] for r in rows):  # after the first token: decoding alone
+            decode_s = sum(r["methods"][m]["seconds"] - r["methods"][m]["prefill_s"] for r in rows)
+            entry["decode_ms_per_token"] = decode_s / max(tokens - len(rows), 1) * 1e3
+            entry["prefill_s"] = sum(r["methods"][m]["prefill_s"] for r in rows)
         for base in ("ar", "llama_cpp"):
             if base in methods:
                 entry[f"over_{base}"] = statistics.median(
@@ -190,11 +202,14 @@ def summarize(rows: list[dict]) -> dict[str, dict[str, Any]]:
 
 
 def format_tables(summary: dict, floor: dict | None, prompts: int) -> str:
-    lines = [f"{'method':<15}{'tok/s':>8}{'ms/token':>10}{'x ar':>8}{'x llama.cpp':>13}{'tau':>7}{'equal ar':>10}"]
+    lines = [f"{'method':<15}{'tok/s':>8}{'ms/token':>10}{'decode ms/tok':>15}{'prefill s':>11}{'x ar':>8}"
+             f"{'x llama.cpp':>13}{'tau':>7}{'equal ar':>10}"]
+    nan = float("nan")
     for m, s in summary.items():
         eq = f"{s['equal_to_ar']}/{prompts}" if "equal_to_ar" in s else "-"
-        lines.append(f"{m:<15}{s['tok_s']:>8.1f}{s['ms_per_token']:>10.2f}{s.get('over_ar', float('nan')):>8.2f}"
-                     f"{s.get('over_llama_cpp', float('nan')):>13.2f}{s.get('tau', float('nan')):>7.2f}{eq:>10}")
+        lines.append(f"{m:<15}{s['tok_s']:>8.1f}{s['ms_per_token']:>10.2f}{s.get('decode_ms_per_token', nan):>15.2f}"
+                     f"{s.get('prefill_s', nan):>11.2f}{s.get('over_ar', nan):>8.2f}"
+                     f"{s.get('over_llama_cpp', nan):>13.2f}{s.get('tau', nan):>7.2f}{eq:>10}")
     if floor:
         lines.append(f"plain step {floor['step_ms']:.2f} ms; floor {floor['floor_ms']:.2f} ms "
                      f"({floor['weight_bytes'] / 1e6:.0f} MB at {floor['bandwidth_gb_s']:.1f} GB/s): "

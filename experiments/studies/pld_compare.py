@@ -74,7 +74,8 @@ def make_generator(method: str, target, stop_token_ids: Sequence[int] = (),
 
     def ours(ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], dict]:
         res = generate(target, ids, max_new_tokens=max_new_tokens, stop_token_ids=stops)
-        return res.new_token_ids, {"rounds": len(res.acceptance_lengths), "tau": res.tau}
+        return res.new_token_ids, {"rounds": len(res.acceptance_lengths), "tau": res.tau,
+                                   "prefill_s": res.timings.get("prefill", 0.0)}
     return ours
 
 
