@@ -7,7 +7,9 @@ The question: the shipped drafter has a gated Markov head, and with it DDTree's 
 replacement from each node's conditioned row, recursive rejection) accept only ~1.06x the tau of the top-K tree at
 B = 16, where before the head it was ~1.10x. Hypothesis: the head sharpens the drafter's distributions q beyond the
 target's T = 1 distributions p, which helps the top-K tree's ranking but leaves a sampled tree less to gain; a draft
-temperature > 1 (still exact: the rule runs with the q actually drawn from) would give it back.
+temperature > 1 (still exact: the rule runs with the q actually drawn from) would give it back. Answer measured on
+2026-12-05 (docs/results.md): the ratio is 1.11 with the head and without it, and the drafter's root distribution is
+flatter than the target's, not sharper; draft temperatures 0.85-1.25 are equal within noise.
 
 Live decoding (``ddtree_generate(..., policy=...)``) of the fixed 24-prompt protocol (``drafter_eval``) at temperature
 1, for these variants, interleaved per prompt and seed (the order rotates), each run seeded alike per (prompt, seed):
