@@ -100,3 +100,10 @@ def test_llama_cpp_runner_greedy_on_the_shipped_gguf():
     assert 0 < extra["prefill_s"]
     short, _ = run(ids, 3)
     assert short == first[:3]
+
+
+def test_command_line_lists_and_a_bad_method():
+    args = cpu_peers.parse_args(["--methods", "ar, llama_cpp", "--datasets", "gsm8k,grounded"])
+    assert args.methods == ["ar", "llama_cpp"] and args.datasets == ["gsm8k", "grounded"] and args.floor
+    with pytest.raises(SystemExit):
+        cpu_peers.parse_args(["--methods", "ar,vllm"])

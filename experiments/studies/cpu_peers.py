@@ -40,7 +40,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from experiments.studies.pld_compare import benchmark_prompts, compare_prompts, make_generator
+from experiments.studies.pld_compare import benchmark_prompts, compare_prompts, make_generator, split_lists
 
 __all__ = ["METHODS", "probe_llama_cpp", "make_llama_cpp", "make_ours", "memory_floor", "summarize", "main"]
 
@@ -230,13 +230,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch threads and llama.cpp threads")
     p.add_argument("--no-floor", dest="floor", action="store_false", help="skip the memory-floor part")
     p.add_argument("--out", default="runs/cpu_peers/cpu_peers.json")
-    args = p.parse_args(argv)
-    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in args.methods if m not in METHODS]
-    if bad or not args.methods:
-        p.error(f"--methods: unknown {bad}; use a subset of {','.join(METHODS)}")
-    args.datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
-    return args
+    return split_lists(p, p.parse_args(argv), METHODS)
 
 
 def _runners(args, target, draft, stops, pad) -> tuple[dict[str, Callable], dict | None]:

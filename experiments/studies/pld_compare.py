@@ -223,11 +223,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", help="auto (CUDA when available, else the CPU), cuda, cuda:1, cpu")
     p.add_argument("--seed", type=int, default=0, help="the benchmark's selection seed")
     p.add_argument("--out", default="runs/pld_compare/pld_compare.json")
-    args = p.parse_args(argv)
+    return split_lists(p, p.parse_args(argv), METHODS)
+
+
+def split_lists(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                methods: Sequence[str]) -> argparse.Namespace:
+    """``--methods`` and ``--datasets`` as lists; a method outside ``methods`` (or none) stops with the choices."""
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in args.methods if m not in METHODS]
+    bad = [m for m in args.methods if m not in methods]
     if bad or not args.methods:
-        p.error(f"--methods: unknown {bad}; use a subset of {','.join(METHODS)}")
+        parser.error(f"--methods: unknown {bad}; use a subset of {','.join(methods)}")
     args.datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
     return args
 
