@@ -162,3 +162,19 @@ def test_oracle_trees_catch_a_prefix_compaction_that_random_trees_miss(monkeypat
     broken = gpu_check.exactness_check(target, draft, config)
     oracle = [r for r in broken["runs"] if r["policy"] == "oracle" and r["budget"] == 32]
     assert not any(r["match"] for r in oracle)  # the true path is never the first branch: caught
+
+
+def test_the_shipped_drafter_on_its_targets_shape_passes_the_exactness_check_on_the_cpu():
+    """The part the tiny dry run leaves out: the GPU check's first pair (a random SmolLM2-shaped target and the
+    shipped drafter, its 4,096-token draft vocabulary and Markov head) through the same exactness check, fp32, short."""
+    from experiments.studies import gpu_check
+    from experiments.studies.gpu_run.steps import smollm2_shaped_pair
+
+    target, draft = smollm2_shaped_pair(torch.float32, torch.device("cpu"))
+    assert draft.draft_vocab is not None and target.config.num_hidden_layers == 30
+    config = dataclasses.replace(gpu_check.CheckConfig(), lossless_prompts=1, lossless_prompt_len=16,
+                                 lossless_tokens=10, lossless_budgets=("chain", 8))
+    got = gpu_check.exactness_check(target, draft, config)
+    assert got["runs_total"] == 4 and got["exact_match"] == 4, got["runs"]
+    oracle = [r for r in got["runs"] if r["policy"] == "oracle"]
+    assert all(r["tau"] > 1.5 for r in oracle), oracle  # the oracle's trees really accept: compaction is exercised
