@@ -40,7 +40,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from experiments.studies.pld_compare import benchmark_prompts, compare_prompts, make_generator, split_lists
+from experiments.studies.pld_compare import (
+    benchmark_prompts, compare_prompts, make_generator, prompt_parser, split_lists,
+)
 
 __all__ = ["METHODS", "probe_llama_cpp", "make_llama_cpp", "make_ours", "memory_floor", "summarize", "main"]
 
@@ -219,12 +221,7 @@ def format_tables(summary: dict, floor: dict | None, prompts: int) -> str:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m experiments.studies.cpu_peers", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--datasets", default=",".join(DEFAULT_DATASETS), help="comma-separated (first turns only)")
-    p.add_argument("--max-samples", type=int, default=2, help="prompts per dataset")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
+    p = prompt_parser("cpu_peers", __doc__, DEFAULT_DATASETS, METHODS, max_samples=2)
     p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto")
     p.add_argument("--cpu-kernels", choices=("auto", "torch", "packed"), default="auto")
     p.add_argument("--threads", type=int, default=2, help="torch threads and llama.cpp threads")

@@ -209,12 +209,7 @@ def benchmark_prompts(tokenizer, datasets: Sequence[str], max_samples: int, seed
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m experiments.studies.pld_compare", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--datasets", default=",".join(DEFAULT_DATASETS), help="comma-separated (first turns only)")
-    p.add_argument("--max-samples", type=int, default=3, help="prompts per dataset (default 3)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
+    p = prompt_parser("pld_compare", __doc__, DEFAULT_DATASETS, METHODS, max_samples=3)
     p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                    help="auto: as the benchmark (bf16 on CPUs with bf16 instructions, else fp32)")
     p.add_argument("--cpu-kernels", choices=("auto", "torch", "packed"), default="auto",
@@ -224,6 +219,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="the benchmark's selection seed")
     p.add_argument("--out", default="runs/pld_compare/pld_compare.json")
     return split_lists(p, p.parse_args(argv), METHODS)
+
+
+def prompt_parser(name: str, doc: str, datasets: Sequence[str], methods: Sequence[str],
+                  max_samples: int) -> argparse.ArgumentParser:
+    """The arguments the side-by-side studies share: --datasets, --max-samples, --max-new-tokens, --methods."""
+    p = argparse.ArgumentParser(prog=f"python -m experiments.studies.{name}", description=doc.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--datasets", default=",".join(datasets), help="comma-separated (first turns only)")
+    p.add_argument("--max-samples", type=int, default=max_samples, help=f"prompts per dataset (default {max_samples})")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--methods", default=",".join(methods), help=f"comma-separated subset of {','.join(methods)}")
+    return p
 
 
 def split_lists(parser: argparse.ArgumentParser, args: argparse.Namespace,
