@@ -8,6 +8,9 @@
 #   bash run_benchmark.sh --preset paper --dry-run
 #                                          what that would run here (datasets, models, devices, disk, time), then
 #                                          exit without loading or running anything (python -m experiments.bench.plan)
+#   bash run_benchmark.sh --batch 1,2,4,8  throughput mode: tokens/s per method per batch size (prompts decoded
+#                                          together), plain decoding batched as the baseline, and its figure
+#                                          (python -m experiments.bench.throughput; default folder runs/throughput)
 #   --hub-datasets                         also the preset's hub-only datasets (paper: mbpp, livecodebench,
 #                                          swe-bench, alpaca; they need the Hugging Face Hub and `datasets`)
 #
@@ -27,6 +30,7 @@ OUT=""
 DRY_RUN=0
 HUB=0
 HAS_DATASETS=0
+BATCH=""
 ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -37,11 +41,25 @@ while [ $# -gt 0 ]; do
     --out=*) OUT="${1#*=}" ;;
     --dry-run) DRY_RUN=1 ;;
     --hub-datasets) HUB=1 ;;
+    --batch) BATCH="${2:?--batch needs batch sizes, e.g. 1,2,4,8}"; shift ;;
+    --batch=*) BATCH="${1#*=}" ;;
     --datasets|--datasets=*) HAS_DATASETS=1; ARGS+=("$1") ;;
     *) ARGS+=("$1") ;;
   esac
   shift
 done
+if [ -n "$BATCH" ]; then
+  OUT="${OUT:-runs/throughput}"
+  source scripts/bootstrap.sh
+  echo "[run_benchmark] throughput mode, batch sizes $BATCH -> $OUT"
+  "$DDTREE_PYTHON" -m experiments.bench.throughput --batch "$BATCH" --out "$OUT" ${ARGS[@]+"${ARGS[@]}"}
+  if "$DDTREE_PYTHON" -c "import matplotlib" >/dev/null 2>&1; then
+    "$DDTREE_PYTHON" -m plots.throughput_figure "$OUT/throughput.json" --out "$OUT/throughput.png" >/dev/null
+    echo "  figure:  $OUT/throughput.png"
+  fi
+  echo "[run_benchmark] finished in $((SECONDS - START)) s; results: $OUT/throughput.json"
+  exit 0
+fi
 OUT="${OUT:-runs/$PRESET}"
 if [ "$HUB" = "1" ] && [ "$HAS_DATASETS" = "1" ]; then
   echo "[run_benchmark] give either --datasets or --hub-datasets, not both" >&2

@@ -28,6 +28,7 @@ from typing import Sequence
 import torch
 
 from dflash_core import Chain, GenerationResult, speculative_generate
+from dflash_core.batch import as_prompts, is_batch, policies_for
 from dflash_core.decoding import validate_request
 from dflash_core.policy import BlockPolicy, DraftBlock, as_block
 from dflash_core.target import check_tree_attention
@@ -147,6 +148,46 @@ def check_verifiable(target, draft, budget: int, max_context: int) -> None:
                          "(the DDTree paper sweeps 16-1024)")
 
 
+def _policy_for(target, draft, budget, tree: str, lookup: bool, temperature: float, seed: int, context: int):
+    """The policy of one sequence from ``ddtree_generate``'s arguments (checked by the caller)."""
+    if lookup and (budget in ("chain", "chain-auto") or tree != "topk"):
+        raise ValueError("lookup=True merges the context's continuation into top-K trees: pass an int budget or "
+                         "'auto', and tree='topk'")
+    policy = make_policy(budget, target, draft, tree=tree, temperature=temperature, seed=seed,
+                         **({"context": context} if budget in ("auto", "chain-auto") else {}))
+    if lookup:  # timed rounds: it may skip the drafter where the continuation alone pays more
+        policy = LookupTreePolicy(policy if budget == "auto" else budget, clock=time.perf_counter)
+    return policy
+
+
+def _generate_batch(target, draft, prompts, budget, max_new_tokens, temperature, stop_token_ids, seed, block_size,
+                    trace, policy, tree, lookup, check_trees) -> list[GenerationResult]:
+    """:func:`ddtree_generate` for a batch of prompts: the same checks, one policy per sequence (seeded seed + b)."""
+    for b, p in enumerate(prompts):
+        try:
+            validate_request(p, max_new_tokens, temperature)
+        except ValueError as error:
+            raise ValueError(f"prompt {b} of the batch: {error}") from None
+    longest = max(int(p.shape[1]) for p in prompts)
+    if policy is not None and (budget is not None or tree != "topk" or lookup):
+        raise ValueError("policy= decides the trees itself: pass either policy= or budget=/tree=/lookup=, not both")
+    if policy is None:
+        budget = parse_budget(32 if budget is None else budget)
+        check_verifiable(target, draft, budget, longest + max_new_tokens)
+        policies = [_policy_for(target, draft, budget, tree, lookup, temperature, seed + b, int(p.shape[1]))
+                    for b, p in enumerate(prompts)]
+    else:
+        policies = policies_for(policy, len(prompts))
+    results = speculative_generate(target, draft, prompts, policies, max_new_tokens, temperature, stop_token_ids,
+                                   seed, block_size=block_size, trace=trace, check_trees=check_trees)
+    for r, pol in zip(results, policies):
+        if getattr(pol, "calibration_s", 0.0):
+            r.timings["calibration"] = pol.calibration_s
+        if lookup:
+            r.lookup_tokens = pol.lookup_committed
+    return results
+
+
 def ddtree_generate(
     target,
     draft,
@@ -162,7 +203,8 @@ def ddtree_generate(
     tree: str = "topk",
     lookup: bool = False,
     check_trees: bool = False,
-) -> GenerationResult:
+    attention_mask: torch.Tensor | None = None,
+) -> GenerationResult | list[GenerationResult]:
     """Speculative decoding with a DDTree draft tree per round; the output is exactly the target's.
 
     ``tree``: ``"topk"`` (default, deterministic best-first tree) or ``"sampled"`` (sampled children verified by
@@ -182,7 +224,15 @@ def ddtree_generate(
     ``lookup=True`` (an int budget or ``"auto"``, top-K trees) merges the context's n-gram continuation into each
     round's tree under the same budget (:mod:`ddtree.lookup`); ``result.lookup_tokens`` then gives per round the
     committed tokens that lay on that continuation.
+
+    A batch: ``input_ids`` a list of prompts ([T] or [1, T], any lengths) or padded [B, T] ids with an
+    ``attention_mask``; returns one result per prompt. Each sequence has its own policy (its own ``auto`` state and
+    lookup history; ``policy=`` is copied per sequence) and a generator seeded ``seed + b``; all trees of a round are
+    verified in one target forward (:mod:`dflash_core.batch`).
     """
+    if is_batch(input_ids, attention_mask):
+        return _generate_batch(target, draft, as_prompts(input_ids, attention_mask), budget, max_new_tokens,
+                               temperature, stop_token_ids, seed, block_size, trace, policy, tree, lookup, check_trees)
     validate_request(input_ids, max_new_tokens, temperature)  # before any work (``auto`` measures a cost curve)
     if policy is not None and (budget is not None or tree != "topk" or lookup):
         raise ValueError("policy= decides the trees itself: pass either policy= or budget=/tree=/lookup=, not both")
@@ -196,11 +246,7 @@ def ddtree_generate(
         raise ValueError("lookup=True merges the context's continuation into top-K trees: pass an int budget or "
                          "'auto', and tree='topk'")
     if policy is None:
-        context = int(input_ids.shape[-1])
-        policy = make_policy(budget, target, draft, tree=tree, temperature=temperature, seed=seed,
-                             **({"context": context} if budget in ("auto", "chain-auto") else {}))
-        if lookup:  # timed rounds: it may skip the drafter where the continuation alone pays more
-            policy = LookupTreePolicy(policy if budget == "auto" else budget, clock=time.perf_counter)
+        policy = _policy_for(target, draft, budget, tree, lookup, temperature, seed, int(input_ids.shape[-1]))
     result = speculative_generate(target, draft, input_ids, policy, max_new_tokens, temperature, stop_token_ids, seed,
                                   block_size=block_size, trace=trace, check_trees=check_trees)
     if getattr(policy, "calibration_s", 0.0):  # ``auto`` measured its cost curve inside this call

@@ -19,329 +19,31 @@ target's distribution was computed in advance; it never changes which token is d
 
 from __future__ import annotations
 
-import math
-import numbers
 import time
-from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Sequence
 
 import torch
 
-from .markov import markov_scorer
-from .model import DFlashDraftModel, DraftCache
+from .batch import as_prompts, batch_generate, is_batch, policies_for
+from .model import DFlashDraftModel
 from .policy import (
     BlockPolicy, Chain, DraftBlock, NoDraft, Proposal, ProposalPolicy, as_policy, check_proposal, check_structure,
 )
+from .rounds import (
+    BatchSide, GenerationResult, LiveTarget, OneSequence, RoundRunner, RoundTarget, check_room, check_stop_ids,
+    commit_path, compile_proposal, draft_round, draft_states, follow, make_block, prefill, run_rounds,
+    truncate_at_stop, validate_request, verify_proposal, verify_walk,
+)
 from .target import TargetAdapter, check_compatibility
 from .timing import StageTimer
-from .tree import ROOT, DraftTree, child_index
 
 __all__ = [
     "GenerationResult", "Proposal", "ProposalPolicy", "NoDraft", "Chain", "check_proposal", "compile_proposal",
     "follow", "speculative_generate", "autoregressive_generate", "dflash_generate", "draft_states",
     "verify_proposal", "commit_path", "truncate_at_stop", "validate_request", "prefill",
-    "draft_round", "make_block", "check_structure", "RoundRunner", "RoundTarget", "LiveTarget",
+    "draft_round", "make_block", "check_structure", "RoundRunner", "RoundTarget", "LiveTarget", "BatchSide",
+    "OneSequence", "run_rounds", "verify_walk", "BlockPolicy", "DraftBlock", "as_policy",
 ]
-
-
-# ---------------------------------------------------------------------------------------------------- verification
-def compile_proposal(proposal: Proposal, root: int, start: int
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Flatten root + nodes for one target forward.
-
-    Returns token ids [n+1] (root first, then nodes in proposal order), position ids [n+1] (= start + depth, the root
-    at depth 0) and the [n+1, n+1] ancestor-or-self visibility (None for a chain: the causal mask is then exact).
-    """
-    token_ids = torch.cat([torch.tensor([root]), proposal.token_ids.cpu()])
-    positions = start + torch.cat([torch.zeros(1, dtype=torch.long), proposal.depths.cpu()])
-    return token_ids, positions, None if getattr(proposal, "is_chain", False) else proposal.visibility()
-
-
-def follow(
-    token_ids: torch.Tensor,  # [n] draft tokens
-    parents: torch.Tensor,  # [n]
-    logits: torch.Tensor,  # [n+1, V] target logits at root + nodes
-    temperature: float,
-    generator: torch.Generator | None,
-) -> tuple[list[int], int]:
-    """Walk the verified tree from the root; return (accepted node indices, bonus token).
-
-    At each node draw the target's token: argmax at T = 0, a sample from softmax(logits / T) otherwise. If a child
-    carries that token, accept it and continue there; else that token is the bonus and the round ends.
-    """
-    children = child_index(parents, token_ids)  # (parent node, token) -> node; the root is ROOT = -1
-    greedy = temperature <= 0
-    choices = logits.argmax(dim=-1).tolist() if greedy else None
-    path: list[int] = []
-    node = ROOT
-    while True:  # logits row node + 1 is the target's distribution after ``node`` (row 0: after the root)
-        if greedy:
-            token = choices[node + 1]
-        else:
-            probs = torch.softmax(logits[node + 1].float() / temperature, dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=generator))
-        child = children.get((node, token))
-        if child is None:
-            return path, token
-        path.append(child)
-        node = child
-
-
-def verify_walk(
-    proposal: Proposal,
-    logits: torch.Tensor,  # [n+1, V] target logits at root + nodes
-    temperature: float,
-    generator: torch.Generator | None,
-) -> tuple[list[int], int]:
-    """The round's verification rule: (accepted node indices, bonus token).
-
-    A proposal may carry its own rule as ``proposal.verify(logits, temperature, generator)`` (sampled trees verify
-    their children by recursive rejection sampling, see ``ddtree.sampled``); every other proposal is walked with
-    sample-and-match (:func:`follow`), which is lossless for any tree whose tokens do not depend on the target.
-    """
-    verify = getattr(proposal, "verify", None)
-    if verify is not None:
-        return verify(logits, temperature, generator)
-    return follow(proposal.token_ids, proposal.parents, logits, temperature, generator)
-
-
-def truncate_at_stop(tokens: list[int], stops: set[int], room: int) -> tuple[list[int], bool]:
-    """(the tokens a round commits, whether generation ends): up to and including the first stop token, at most
-    ``room`` tokens (what max_new_tokens leaves)."""
-    for k, token in enumerate(tokens):
-        if token in stops or k + 1 >= room:
-            return tokens[: k + 1], True
-    return tokens, False
-
-
-# ---------------------------------------------------------------------------------------------------- the loop
-@dataclass
-class GenerationResult:
-    new_token_ids: list[int]
-    acceptance_lengths: list[int]  # tokens committed per round, bonus included (the prefill's token is not a round)
-    timings: dict[str, float]  # seconds: prefill, draft, tree, verify, commit, decode (= whole loop after prefill)
-    num_input_tokens: int
-    tree_sizes: list[int] = field(default_factory=list)  # draft nodes verified per round
-    expected_acceptance: list[float] = field(default_factory=list)  # drafter's own estimate per round
-    trees: list[Any] | None = None  # the proposals themselves when trace=True
-    lookup_tokens: list[int] | None = None  # per round, committed tokens proposed by a context lookup (lookup runs)
-
-    @property
-    def tau(self) -> float:
-        """Mean committed tokens per round (acceptance length, bonus included)."""
-        return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
-
-    def add_round(self, committed: list[int], proposal: Proposal) -> None:
-        """Book one round: its committed tokens, the tree's size and the drafter's own estimate (and the tree)."""
-        self.new_token_ids += committed
-        self.acceptance_lengths.append(len(committed))
-        self.tree_sizes.append(len(proposal.token_ids))
-        self.expected_acceptance.append(proposal.expected_acceptance())
-        if self.trees is not None:
-            self.trees.append(proposal)
-
-
-def validate_request(input_ids: torch.Tensor, max_new_tokens: int, temperature: float) -> None:
-    """Raise ValueError for a malformed prompt, length or temperature (before any model work)."""
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
-        raise ValueError(f"input_ids must be a [1, T] LongTensor (batch size 1), got {shape}")
-    if input_ids.shape[1] < 1:
-        raise ValueError("input_ids is empty: give at least one prompt token")
-    if input_ids.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not math.isfinite(temperature) \
-            or temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-
-
-def _check_room(adapter: TargetAdapter, prompt_len: int, max_new_tokens: int) -> None:
-    """The prompt and the answer must fit the target's positions: past them its outputs are meaningless."""
-    limit = getattr(adapter.model.config, "max_position_embeddings", None)
-    if limit is not None and prompt_len + max_new_tokens > limit:
-        room = max(0, limit - prompt_len)
-        raise ValueError(
-            f"the prompt ({prompt_len} tokens) plus max_new_tokens ({max_new_tokens}) exceed the target's "
-            f"{limit} positions (config.max_position_embeddings): "
-            + (f"lower max_new_tokens to at most {room}" if room else "shorten the prompt")
-            + " (past its trained length the target's outputs are not meaningful)")
-
-
-def _check_stop_ids(adapter: TargetAdapter, stop_token_ids) -> set[int]:
-    stops = set()
-    for t in stop_token_ids or ():
-        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= int(t) < adapter.vocab_size:
-            raise ValueError(f"stop token id {t!r} is not a token of the target (ids 0..{adapter.vocab_size - 1}): "
-                             "pass ids from the tokenizer, e.g. [tokenizer.eos_token_id]")
-        stops.add(int(t))
-    return stops
-
-
-def prefill(adapter: TargetAdapter, input_ids: torch.Tensor, temperature: float, generator: torch.Generator | None,
-            with_features: bool):
-    """The prompt enters a new target cache; returns (cache, the first generated token, the prompt's features)."""
-    prompt, cache = input_ids[0].to(adapter.device), adapter.new_cache()
-    out = adapter.forward(prompt, torch.arange(len(prompt), device=adapter.device), cache, last_only=True,
-                          with_features=with_features)
-    no_nodes = torch.zeros(0, dtype=torch.long)
-    return cache, follow(no_nodes, no_nodes, out.logits, temperature, generator)[1], out.features
-
-
-# ---------------------------------------------------------------------------------------------------- one round
-# The three steps of a round, shared by the decode loop, the cost measurement of ``budget="auto"``, the round profiler
-# and the GPU check, so that what they time is what the loop runs.
-def draft_states(draft: DFlashDraftModel, adapter: TargetAdapter, root: int, pending: torch.Tensor, start: int,
-                 draft_cache: DraftCache, block_size: int | None = None) -> torch.Tensor:
-    """[b, hidden] drafter output states for the block [root, MASK x (b-1)] at positions start..start+b-1
-    (b: ``block_size``, default the drafter's own; a drafter trained on blocks of 16 also drafts shorter ones).
-
-    ``pending`` [m, taps*hidden]: target features of the committed positions the draft cache does not hold yet
-    (``draft_cache.length`` .. start-1); they join it. The block's own keys are dropped again by the draft cache.
-    """
-    device = adapter.device
-    param = next(draft.parameters())  # the drafter may sit on another GPU than the target's head
-    b = block_size or draft.block_size
-    block_ids = torch.full((b,), draft.mask_token_id, dtype=torch.long, device=device)
-    block_ids[0] = root
-    hidden = draft(adapter.embed(block_ids)[None].to(param.device, param.dtype), pending[None].to(param.device),
-                   torch.arange(start, start + b, device=param.device),
-                   torch.arange(draft_cache.length, start, device=param.device), cache=draft_cache)  # [1, b, H]
-    return hidden[0]
-
-
-def make_block(draft: DFlashDraftModel, adapter: TargetAdapter, states: torch.Tensor, root: int) -> DraftBlock:
-    """A :class:`DraftBlock` from the drafter's output states [b-1, H] of a block rooted at ``root``: compact logits
-    over the draft vocabulary and, for a drafter with a Markov head, its conditional scorer."""
-    logits, token_map = adapter.draft_logits(states, draft)
-    return DraftBlock(logits, token_map, root, adapter.vocab_size, states, markov_scorer(draft, logits, states))
-
-
-def draft_round(draft: DFlashDraftModel, adapter: TargetAdapter, root: int, pending: torch.Tensor, start: int,
-                draft_cache: DraftCache, block_size: int | None = None) -> DraftBlock:
-    """Step 1, draft, as the loop runs it: one drafter pass, returned as the round's :class:`DraftBlock`."""
-    states = draft_states(draft, adapter, root, pending, start, draft_cache, block_size)[1:]  # [b-1, H]
-    return make_block(draft, adapter, states, root)
-
-
-def verify_proposal(adapter: TargetAdapter, cache, proposal: Proposal, root: int, start: int,
-                    with_features: bool):
-    """Step 2, verify: one target forward over root + the proposal's nodes on top of the ``start`` cached tokens,
-    each node seeing only its ancestors. Returns the adapter's output (logits [n+1, V], features when asked)."""
-    ids, positions, visibility = compile_proposal(proposal, root, start)
-    return adapter.forward(ids, positions, cache, visibility=visibility, with_features=with_features)
-
-
-def commit_path(adapter: TargetAdapter, cache, start: int, path: list[int], features: torch.Tensor | None,
-                carried: torch.Tensor | None = None) -> tuple[int, torch.Tensor | None]:
-    """Step 3, commit: keep the root and the accepted nodes in the target cache (compaction); returns the new cache
-    length and the kept positions' features (the drafter's next context, None without features), after
-    ``carried``: features the drafter has not consumed yet (a round that skipped the drafter)."""
-    keep = torch.tensor([0] + [i + 1 for i in path], dtype=torch.long)  # root + accepted nodes
-    adapter.compact(cache, start, keep)
-    if features is None:
-        return start + len(keep), None
-    kept = features[keep.to(features.device)]
-    return start + len(keep), kept if carried is None else torch.cat([carried, kept])
-
-
-# ---------------------------------------------------------------------------------------------------- the round runner
-class RoundTarget(Protocol):
-    """The target's side of a round, what :class:`RoundRunner` injects: the live loop runs the models
-    (:class:`LiveTarget`), replay reads a known continuation (``dflash_core.replay``)."""
-
-    def draft(self, root: int) -> DraftBlock:
-        """The drafter's block for the round rooted at ``root`` (called only when the policy wants it)."""
-
-    def verify(self, proposal: Proposal, root: int) -> torch.Tensor:
-        """[n+1, V] the target's logits after the root and after each of the proposal's n nodes."""
-
-    def commit(self, path: list[int], committed: list[int], drafted: bool) -> None:
-        """The round accepted the nodes ``path`` and committed ``committed`` (the accepted tokens and the bonus, cut
-        at a stop token or the length limit); ``drafted``: whether :meth:`draft` ran this round."""
-
-
-class LiveTarget:
-    """The live round's target side: the drafter reads the committed positions' features, the target verifies the
-    proposal in one tree forward on its KV cache, and the cache keeps the root and the accepted path.
-
-    ``start`` counts the committed tokens in the target cache; ``pending`` holds the features of committed positions
-    the draft cache has not consumed yet (the prompt's after the prefill).
-    """
-
-    def __init__(self, adapter: TargetAdapter, draft: DFlashDraftModel | None, cache, start: int,
-                 pending: torch.Tensor | None, block_size: int | None = None, with_features: bool = True) -> None:
-        self.adapter, self.drafter, self.cache, self.block_size = adapter, draft, cache, block_size
-        self.start, self.pending, self.with_features = start, pending, with_features
-        self.draft_cache = DraftCache()
-        self._features: torch.Tensor | None = None  # the last verify's features, until its commit
-
-    def draft(self, root: int) -> DraftBlock:
-        return draft_round(self.drafter, self.adapter, root, self.pending, self.start, self.draft_cache,
-                           self.block_size)
-
-    def verify(self, proposal: Proposal, root: int) -> torch.Tensor:
-        out = verify_proposal(self.adapter, self.cache, proposal, root, self.start, self.with_features)
-        self._features = out.features
-        return out.logits
-
-    def commit(self, path: list[int], committed: list[int], drafted: bool) -> None:
-        carried = None if drafted else self.pending  # a round without the drafter consumed no features
-        self.start, self.pending = commit_path(self.adapter, self.cache, self.start, path, self._features, carried)
-
-
-@dataclass
-class RoundRunner:
-    """The rounds of speculative decoding, written once: the live loop and replay both run them.
-
-    A round asks the policy whether it wants the drafter, gets the drafter's block from the target side, lets the
-    policy propose a tree (its structure checked every round), has the target side verify it, walks it (the
-    proposal's own rule or sample-and-match), cuts the committed tokens at a stop token or the length limit, feeds
-    the accepted-and-committed nodes back to the policy, and books the round. Only verification differs between a
-    live run and a replay (:class:`RoundTarget`), so a replay cannot drift from the loop's policy handling.
-    """
-
-    policy: BlockPolicy
-    target: RoundTarget
-    stops: set[int]
-    max_new_tokens: int
-    temperature: float = 0.0
-    generator: torch.Generator | None = None
-    timer: StageTimer = field(default_factory=lambda: StageTimer(enabled=False))
-    check_trees: bool = False
-
-    def run(self, history: list[int], result: GenerationResult) -> GenerationResult:
-        """Rounds until a stop token or ``max_new_tokens``. ``history``: the prompt and the first generated token
-        (the root of the first round), which ``result.new_token_ids`` already holds; both grow in place."""
-        done = history[-1] in self.stops or len(result.new_token_ids) >= self.max_new_tokens
-        while not done:
-            done = self.round(history, result)
-        return result
-
-    def round(self, history: list[int], result: GenerationResult) -> bool:
-        """One round rooted at ``history[-1]``; returns whether generation ends."""
-        policy, timer, root = self.policy, self.timer, history[-1]
-        drafted = None
-        if policy.uses_draft and policy.wants_draft(history):
-            with timer.stage("draft"):  # the round's DraftBlock: [b-1, V'] logits, id map, states, Markov scorer
-                drafted = self.target.draft(root)
-        with timer.stage("tree"):
-            proposal = policy.propose(drafted, history)
-            check_structure(proposal, policy.name)
-            if self.check_trees:
-                check_proposal(proposal)
-        with timer.stage("verify"):
-            logits = self.target.verify(proposal, root)
-        with timer.stage("commit"):
-            path, bonus = verify_walk(proposal, logits, self.temperature, self.generator)
-            committed, done = truncate_at_stop([int(proposal.token_ids[i]) for i in path] + [bonus], self.stops,
-                                               self.max_new_tokens - len(result.new_token_ids))
-            policy.observe(path[: len(committed)])  # the accepted nodes that were committed (a stop cuts the rest)
-            self.target.commit(path, committed, drafted is not None)
-            result.add_round(committed, proposal)
-            history += committed
-        return done
 
 
 # ---------------------------------------------------------------------------------------------------- the loop
@@ -358,12 +60,22 @@ def speculative_generate(
     block_size: int | None = None,
     trace: bool = False,
     check_trees: bool = False,
-) -> GenerationResult:
+    attention_mask: torch.Tensor | None = None,
+) -> GenerationResult | list[GenerationResult]:
     """Generate with ``policy`` deciding each round's draft tree. See the module docstring for why it is lossless.
 
     Every round the tree's structure is checked (:func:`check_structure`: what positions, mask and cache rely on);
     ``check_trees`` adds the costlier checks of :func:`check_proposal` (distinct sibling tokens), for developing a
-    policy. The rounds themselves are :class:`RoundRunner`'s, on the live target (:class:`LiveTarget`)."""
+    policy. The rounds themselves are :class:`RoundRunner`'s, on the live target (:class:`LiveTarget`).
+
+    A batch: ``input_ids`` a list of prompts ([T] or [1, T] each, any lengths), or padded [B, T] ids with an
+    ``attention_mask``. It returns one result per prompt, decoded together (one drafter pass and one target forward
+    per round, see :mod:`dflash_core.batch`); sequence b uses its own copy of ``policy`` (or ``policy[b]`` from a
+    list) and a generator seeded ``seed + b``, so it commits what a single-prompt call with that seed commits."""
+    if is_batch(input_ids, attention_mask):
+        prompts = as_prompts(input_ids, attention_mask)
+        return batch_generate(target, draft, prompts, policies_for(policy, len(prompts)), max_new_tokens,
+                              temperature, stop_token_ids, seed, block_size, trace, check_trees)
     policy, adapter, stops = _prepare(target, draft, input_ids, policy, max_new_tokens, temperature, stop_token_ids,
                                       block_size)
     device, uses_draft = adapter.device, policy.uses_draft
@@ -398,22 +110,27 @@ def _prepare(target, draft, input_ids, policy, max_new_tokens, temperature, stop
             raise ValueError(f"block_size must be >= 2, got {block_size}")
     adapter = TargetAdapter(target, draft.config.target_layer_ids if policy.uses_draft else ())
     adapter.check_token_ids(input_ids)
-    _check_room(adapter, int(input_ids.shape[1]), max_new_tokens)
-    return policy, adapter, _check_stop_ids(adapter, stop_token_ids)
+    check_room(adapter, int(input_ids.shape[1]), max_new_tokens)
+    return policy, adapter, check_stop_ids(adapter, stop_token_ids)
 
 
 def autoregressive_generate(target, input_ids: torch.Tensor, max_new_tokens: int = 128, temperature: float = 0.0,
-                            stop_token_ids: Sequence[int] | None = None, seed: int = 0) -> GenerationResult:
-    """Plain decoding: one target forward per token (the reference every speculative method must reproduce)."""
-    return speculative_generate(target, None, input_ids, NoDraft(), max_new_tokens, temperature, stop_token_ids, seed)
+                            stop_token_ids: Sequence[int] | None = None, seed: int = 0,
+                            attention_mask: torch.Tensor | None = None) -> GenerationResult | list[GenerationResult]:
+    """Plain decoding: one target forward per token (the reference every speculative method must reproduce). A list
+    of prompts (or padded ids with ``attention_mask``) decodes as a batch: one forward per token for all."""
+    return speculative_generate(target, None, input_ids, NoDraft(), max_new_tokens, temperature, stop_token_ids, seed,
+                                attention_mask=attention_mask)
 
 
 def dflash_generate(target, draft: DFlashDraftModel, input_ids: torch.Tensor, max_new_tokens: int = 128,
                     temperature: float = 0.0, stop_token_ids: Sequence[int] | None = None, seed: int = 0,
-                    block_size: int | None = None) -> GenerationResult:
-    """DFlash: draft a block in one drafter pass, verify it as a chain in one target pass."""
+                    block_size: int | None = None, attention_mask: torch.Tensor | None = None
+                    ) -> GenerationResult | list[GenerationResult]:
+    """DFlash: draft a block in one drafter pass, verify it as a chain in one target pass (a list of prompts, or
+    padded ids with ``attention_mask``: a batch, see :func:`speculative_generate`)."""
     return speculative_generate(target, draft, input_ids, Chain(), max_new_tokens, temperature, stop_token_ids, seed,
-                                block_size=block_size)
+                                block_size=block_size, attention_mask=attention_mask)
 
 
 def spec_generate(self: DFlashDraftModel, target, input_ids: torch.Tensor, max_new_tokens: int = 2048,
@@ -423,6 +140,9 @@ def spec_generate(self: DFlashDraftModel, target, input_ids: torch.Tensor, max_n
     temperature=..., target=..., stop_token_ids=...)`` returns the prompt followed by the new tokens, ``[1, T]`` on
     the prompt's device, generated by this loop (:func:`dflash_generate`: DFlash, one chain per round). For trees,
     timings and acceptance lengths call ``dflash_generate`` / ``ddtree_generate``."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError("spec_generate decodes one [1, T] prompt, as z-lab's does; for a batch call "
+                         "dflash_generate(target, draft, [prompt, ...]), which returns one result per prompt")
     result = dflash_generate(target, self, input_ids, max_new_tokens, temperature, stop_token_ids, seed,
                              block_size=block_size)
     new = torch.tensor([result.new_token_ids], dtype=input_ids.dtype, device=input_ids.device)

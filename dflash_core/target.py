@@ -236,6 +236,58 @@ class TargetAdapter:
         features = None if out.features is None else out.features[0]
         return TargetOutput(logits=logits.float(), features=features)
 
+    # ------------------------------------------------------------------ a batch of sequences (ragged)
+    # A batch shares one cache of shape [B, kv_heads, S, head_dim] per layer. Sequence b's committed tokens sit at
+    # slots [0, length_b); slots from length_b to S hold leftovers that every mask hides. A forward appends the same
+    # number of new slots to every sequence (ragged inputs are padded) and :meth:`keep_slots` then moves each
+    # sequence's kept entries down to its own prefix, so the cache never holds more than the longest sequence.
+    @torch.inference_mode()
+    def forward_batch(
+        self,
+        token_ids: torch.Tensor,  # [B, n] new tokens (padded rows hold any valid id)
+        position_ids: torch.Tensor,  # [B, n]
+        cache,
+        visible: torch.Tensor,  # [B, n, S + n] bool: True where the new token may attend (cached slots, then new)
+        rows: torch.Tensor,  # [K] flat indices b * n + i of the rows whose logits are wanted
+        with_features: bool = True,
+    ) -> TargetOutput:
+        """One target forward over a padded batch of new tokens on the shared ragged cache (it grows by ``n``);
+        returns the logits of the ``rows`` asked for, float32 [K, V], and the features of all, [B, n, F]. Only those
+        rows pass through the LM head (the head's rows of padding are never computed)."""
+        check_tree_attention(self.model)
+        b, n = token_ids.shape
+        mask = torch.zeros((b, 1) + tuple(visible.shape[1:]), dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~visible.to(self.device)[:, None], torch.finfo(self.dtype).min)
+        out = tapped_forward(self.model, token_ids.to(self.device), self.layer_ids if with_features else (),
+                             head=False, position_ids=position_ids.to(self.device), attention_mask=mask,
+                             use_cache=True, **{self._cache_kw: cache})
+        hidden = out.last_hidden.reshape(b * n, -1).index_select(0, rows.to(out.last_hidden.device))
+        return TargetOutput(logits=self.model.lm_head(hidden.to(self.device)).float(), features=out.features)
+
+    def keep_slots(self, cache, slots: torch.Tensor, fixed: int = 0) -> None:
+        """Rearrange a batch cache: sequence b's slots become ``slots[b]`` ([B, S'] increasing cache indices, padded
+        with any index). Slots below ``fixed`` are unchanged in every sequence (``slots[:, :fixed]`` must be
+        ``0..fixed-1``): only the tail is gathered and written in place."""
+        tail = slots[:, fixed:]
+        for layer in self._layers(cache):
+            index = tail.to(layer.keys.device)[:, None, :, None].expand(-1, layer.keys.shape[1], -1,
+                                                                         layer.keys.shape[-1])
+            new_keys, new_values = layer.keys.gather(2, index), layer.values.gather(2, index)
+            width = fixed + tail.shape[1]
+            if width <= layer.keys.shape[2]:  # the kept tail fits where the old one was: write it in place
+                layer.keys, layer.values = layer.keys[:, :, :width], layer.values[:, :, :width]
+                layer.keys[:, :, fixed:], layer.values[:, :, fixed:] = new_keys, new_values
+            else:
+                layer.keys = torch.cat([layer.keys[:, :, :fixed], new_keys], dim=2)
+                layer.values = torch.cat([layer.values[:, :, :fixed], new_values], dim=2)
+
+    def select_sequences(self, cache, batch_rows: torch.Tensor) -> None:
+        """Keep only the sequences ``batch_rows`` of a batch cache (finished sequences leave the batch)."""
+        for layer in self._layers(cache):
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                index = batch_rows.to(layer.keys.device)
+                layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
+
 
 def check_tree_attention(target: nn.Module) -> None:
     """Raise :class:`IncompatibleModelError` when the target's attention backend cannot apply a tree mask.

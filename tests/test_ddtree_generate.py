@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import dflash_core.decoding as decoding
+import dflash_core.rounds as rounds
 from conftest import make_draft, make_target, prompt, record_masks
 from ddtree import DraftTree, build_tree, ddtree_generate
 from dflash_core import autoregressive_generate, dflash_generate, speculative_generate
@@ -245,7 +246,7 @@ def test_tree_sampling_matches_target_distribution(small_vocab_pair):
 
 def test_broken_tree_walk_is_detected(small_vocab_pair, monkeypatch):
     target, draft, p, probs = small_vocab_pair
-    monkeypatch.setattr(decoding, "follow", lossy_follow)
+    monkeypatch.setattr(rounds, "follow", lossy_follow)
     assert chi_square_p(_joint(target, draft, p, PeakedTree()), probs, N_SAMPLES) < 1e-3
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import dflash_core.decoding as decoding
+import dflash_core.rounds as rounds
 from conftest import make_draft, make_target, prompt
 from dflash_core import autoregressive_generate, dflash_generate, speculative_generate
 from dflash_core.tree import DraftTree
@@ -93,7 +94,7 @@ def test_generated_mask_tokens_are_kept():
 def test_input_validation_messages():
     target = make_target("llama", vocab=32)
     with pytest.raises(ValueError, match=r"\[1, T\]"):
-        autoregressive_generate(target, torch.zeros(2, 3, dtype=torch.long))
+        autoregressive_generate(target, torch.zeros(1, 2, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="empty"):
         autoregressive_generate(target, torch.zeros(1, 0, dtype=torch.long))
     with pytest.raises(ValueError, match="max_new_tokens"):
@@ -190,6 +191,6 @@ def test_sampling_matches_target_distribution(small_vocab_pair):
 
 def test_broken_acceptance_rule_is_detected(small_vocab_pair, monkeypatch):
     target, draft, p, probs = small_vocab_pair
-    monkeypatch.setattr(decoding, "follow", lossy_follow)
+    monkeypatch.setattr(rounds, "follow", lossy_follow)
     counts = sample_joint(target, draft, p, PeakedChain(), N_SAMPLES)
     assert chi_square_p(counts, probs, N_SAMPLES) < 1e-3

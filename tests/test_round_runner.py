@@ -100,18 +100,18 @@ def test_the_length_limit_cuts_a_round_and_a_finished_start_runs_none():
 
 
 def test_the_live_loop_and_replay_run_the_same_rounds(monkeypatch):
-    """Both drive RoundRunner.round, once per booked round (a replay with its own loop body fails this)."""
+    """Both drive RoundRunner's walk, once per booked round (a replay with its own loop body fails this)."""
     from conftest import make_draft, make_target, prompt
     from dflash_core.decoding import Chain
 
     seen = []
-    real = RoundRunner.round
+    real = RoundRunner.walk
 
-    def counted(self, history, result):
+    def counted(self, proposal, logits, result):
         seen.append(type(self.target).__name__)
-        return real(self, history, result)
+        return real(self, proposal, logits, result)
 
-    monkeypatch.setattr(RoundRunner, "round", counted)
+    monkeypatch.setattr(RoundRunner, "walk", counted)
     target = make_target("llama", vocab=64)
     draft = make_draft(target, block_size=4)
     ids = prompt(3, 8, 64)

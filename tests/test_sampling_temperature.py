@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import dflash_core.decoding as decoding
+import dflash_core.rounds as rounds
 from conftest import make_draft, make_target, prompt
 from ddtree.sampled import SampledDraftTree, SampledTreePolicy
 from dflash_core import speculative_generate
@@ -67,8 +68,8 @@ def loop_p_value(pair, make_policy, n: int, temperature: float, claimed: float |
 
 def drop_the_temperature(monkeypatch) -> None:
     """The broken loop: every verification (sample-and-match and the sampled tree's rule) ignores T."""
-    follow, verify = decoding.follow, SampledDraftTree.verify
-    monkeypatch.setattr(decoding, "follow", lambda ids, parents, logits, t, g: follow(ids, parents, logits,
+    follow, verify = rounds.follow, SampledDraftTree.verify
+    monkeypatch.setattr(rounds, "follow", lambda ids, parents, logits, t, g: follow(ids, parents, logits,
                                                                                        min(t, 1.0) and 1.0, g))
     monkeypatch.setattr(SampledDraftTree, "verify", lambda self, logits, t, g: verify(self, logits, min(t, 1.0) and 1.0,
                                                                                     g))
