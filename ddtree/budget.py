@@ -265,19 +265,23 @@ class AutoBudget(BlockPolicy):
                    cost: CostModel | None = None, context: int | None = None, profile: str | Path | None = None,
                    rule: str = "marginal", chain: bool = False, temperature: float = 0.0,
                    share_memory: bool = True, window: int = 256, online: bool = True,
-                   build: str = "adaptive") -> "AutoBudget":
+                   build: str = "adaptive", batch: int = 1) -> "AutoBudget":
         """The policy with the cost curve of ``target`` + ``draft`` on this machine: ``cost``, else a GPU
         ``profile``'s (``experiments.studies.gpu_check``), else the cached curve of ``context_bucket(context)`` tokens
         (``context``: the prompt length; default 256; derived from :func:`ddtree.cost.calibrate`'s buckets, or
         measured now, ``calibration_s``). ``online``: correct the curve from the policy's own round timings.
         ``share_memory``: continue the round memory and online curve of earlier generations in this process with
-        the same models and configuration; False for reproducible tree sizes (see the module doc)."""
+        the same models and configuration; False for reproducible tree sizes (see the module doc). ``batch``: the
+        number of sequences decoded together; above 1 the curve is the batch round's, per sequence
+        (:func:`~ddtree.cost.measure_cost_model`), and not corrected online (a sequence's clock sees the whole
+        batch's round, not its share)."""
         cap = cap if cap is not None else default_cap(target.lm_head.weight.device)
         if cost is None and profile is not None:
             cost = CostModel.from_profile(profile, context=context)
         if cost is None:
             cost = measure_cost_model(target, draft, context=context_bucket(context) if context else 256, cap=cap,
-                                      chain=chain, extrapolate=True)
+                                      chain=chain, extrapolate=True, batch=batch)
+        online = online and batch == 1
         policy = cls(cost, cap=cap, calibrate=calibrate, window=window, rule=rule, chain=chain,
                      clock=time.perf_counter if online else None, build=build)
         if share_memory:

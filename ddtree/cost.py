@@ -206,7 +206,7 @@ def _rows(draft) -> int:
 @torch.inference_mode()
 def measure_cost_model(target, draft, grid: Sequence[int] | None = None, context: int = 256, repeats: int = 3,
                        use_cache: bool = True, cap: int | None = None, chain: bool = False,
-                       extrapolate: bool = False) -> CostModel:
+                       extrapolate: bool = False, batch: int = 1) -> CostModel:
     """Time one decoding round as the loop spends it, for N draft nodes on top of a ``context``-token target cache.
 
     ``verify_s(N)``: compiling root + N nodes (ids, positions, ancestor mask), the target forward over them with the
@@ -220,18 +220,23 @@ def measure_cost_model(target, draft, grid: Sequence[int] | None = None, context
     (``use_cache=False``: always measure, write nothing). ``extrapolate=True``: a context nobody measured is derived
     from the contexts measured for the same models (:func:`across_contexts`), measuring only when none is cached.
     A measurement is logged; its seconds are in the result's ``measured_s``.
+
+    ``batch`` > 1: the round of a batch of that many sequences, each with its own N-node tree on its own
+    ``context``-token cache (:class:`~dflash_core.batch.BatchTarget`: one drafter pass, one verify forward), priced
+    per sequence: the batch round's seconds divided by ``batch``, so one sequence's ``auto`` weighs its nodes against
+    its share of the round. One curve per batch size: the cost surface (tokens per sequence x batch size).
     """
     adapter = TargetAdapter(target, draft.config.target_layer_ids if draft is not None else ())
     cap = default_cap(adapter.device) if cap is None else cap
     grid = tuple(int(n) for n in grid) if grid is not None else default_grid(adapter.device, _rows(draft), chain)
     key = cost_key(target, draft, adapter.device, adapter.dtype, chain)
-    name = f"{key}-ctx{context}-cap{cap}"
+    name = f"{key}-ctx{context}-cap{cap}" + (f"-batch{batch}" if batch > 1 else "")
 
     def load(raw: dict) -> CostModel | None:
         model = CostModel.from_json(raw)
         return model if model.nodes == grid else None  # another grid: measured again
 
-    if use_cache and extrapolate and read_cached_json(cache_path("costs", name), load) is None:
+    if use_cache and extrapolate and batch == 1 and read_cached_json(cache_path("costs", name), load) is None:
         measured = _cached_contexts(key, cap, grid)
         if measured:
             log.info("cost curve at %d context tokens derived from the ones measured at %s", context,
@@ -241,8 +246,11 @@ def measure_cost_model(target, draft, grid: Sequence[int] | None = None, context
     def measure() -> CostModel:
         t0 = time.perf_counter()
         gen = torch.Generator().manual_seed(0)
-        verify = _verify_seconds(adapter, draft, grid, context, repeats, chain, gen)
-        fixed = _fixed_seconds(adapter, draft, context, repeats, cap, chain, gen) if draft is not None else 0.0
+        if batch > 1:
+            verify, fixed = _batch_seconds(adapter, draft, grid, context, repeats, cap, chain, gen, batch)
+        else:
+            verify = _verify_seconds(adapter, draft, grid, context, repeats, chain, gen)
+            fixed = _fixed_seconds(adapter, draft, context, repeats, cap, chain, gen) if draft is not None else 0.0
         seconds = time.perf_counter() - t0
         log.info("measured the round cost curve (%s, %d context tokens, cap %d) in %.2f s",
                  "chains" if chain else "trees", context, cap, seconds)
@@ -315,6 +323,58 @@ def _fixed_seconds(adapter: TargetAdapter, draft, context: int, repeats: int, ca
         draft_cache.crop(context - new)
 
     return median_seconds(draft_round, repeats, adapter.device, warmup=1)
+
+
+def _batch_seconds(adapter: TargetAdapter, draft, grid: tuple[int, ...], context: int, repeats: int, cap: int,
+                   chain: bool, gen: torch.Generator, batch: int) -> tuple[tuple[float, ...], float]:
+    """(verify seconds per grid size, fixed seconds), per sequence, of a batch round of ``batch`` sequences: the
+    batch loop's verify and commit steps with every sequence's tree of N nodes, and its drafter pass for all plus
+    one cap tree per sequence; each the median of ``repeats`` divided by ``batch``."""
+    from dflash_core.batch import BatchTarget, prefill_batch
+
+    vocab, new = adapter.vocab_size, min(4, context - 1)
+    prompts = [torch.randint(0, vocab, (1, context), generator=gen) for _ in range(batch)]
+    cache, _, features = prefill_batch(adapter, prompts, draft is not None)
+    side = BatchTarget(adapter, draft, cache, [context] * batch, features)
+    seqs, roots = list(range(batch)), [int(t) for t in torch.randint(0, vocab, (batch,), generator=gen)]
+
+    def rewind():  # every sequence back to its context, the drafter holding all but the last ``new`` tokens
+        adapter.crop(cache, context)
+        side.lengths, side.width = [context] * batch, context
+        for s in seqs:
+            side.pending[s] = None if features[s] is None else features[s][context - new:]
+            side.draft_caches[s].crop(context - new)
+
+    if draft is not None:
+        for s in seqs:
+            side.pending[s] = features[s][: context - new]
+        side.lengths = [context - new] * batch  # the drafter's cache first takes the context before the round
+        side.draft(seqs, roots)
+        rewind()
+    runs = []
+    for n in grid:
+        proposal, accepted = _round_proposal(n, _rows(draft), vocab, chain, gen)
+
+        def run(proposal=proposal, accepted=accepted):  # the batch loop's verify, walks and commit, then back
+            logits = side.verify(seqs, [proposal] * batch, roots)
+            for rows in logits:
+                decoding.verify_walk(proposal, rows, 0.0, None)
+            side.commit(seqs, [accepted] * batch, [[0]] * batch, [True] * batch)
+            rewind()
+
+        runs.append(run)
+    first = [median_seconds(run, repeats, adapter.device, warmup=1) for run in runs]
+    second = [median_seconds(run, repeats, adapter.device, warmup=0) for run in runs]
+    verify = tuple(min(a, b) / batch for a, b in zip(first, second))
+    if draft is None:
+        return verify, 0.0
+
+    def draft_round():  # the batch's drafter pass and every sequence's cap tree
+        for block, root in zip(side.draft(seqs, roots), roots):
+            cap_tree(block, cap, chain, [root])
+        rewind()
+
+    return verify, median_seconds(draft_round, repeats, adapter.device, warmup=1) / batch
 
 
 def calibrate(target, draft, contexts: Iterable[int] | None = None, cap: int | None = None, chain: bool = False,

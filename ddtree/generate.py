@@ -148,13 +148,15 @@ def check_verifiable(target, draft, budget: int, max_context: int) -> None:
                          "(the DDTree paper sweeps 16-1024)")
 
 
-def _policy_for(target, draft, budget, tree: str, lookup: bool, temperature: float, seed: int, context: int):
-    """The policy of one sequence from ``ddtree_generate``'s arguments (checked by the caller)."""
+def _policy_for(target, draft, budget, tree: str, lookup: bool, temperature: float, seed: int, context: int,
+                batch: int = 1):
+    """The policy of one sequence from ``ddtree_generate``'s arguments (checked by the caller); in a batch of
+    ``batch`` sequences ``auto`` prices its rounds with that batch size's cost curve."""
     if lookup and (budget in ("chain", "chain-auto") or tree != "topk"):
         raise ValueError("lookup=True merges the context's continuation into top-K trees: pass an int budget or "
                          "'auto', and tree='topk'")
     policy = make_policy(budget, target, draft, tree=tree, temperature=temperature, seed=seed,
-                         **({"context": context} if budget in ("auto", "chain-auto") else {}))
+                         **({"context": context, "batch": batch} if budget in ("auto", "chain-auto") else {}))
     if lookup:  # timed rounds: it may skip the drafter where the continuation alone pays more
         policy = LookupTreePolicy(policy if budget == "auto" else budget, clock=time.perf_counter)
     return policy
@@ -174,8 +176,9 @@ def _generate_batch(target, draft, prompts, budget, max_new_tokens, temperature,
     if policy is None:
         budget = parse_budget(32 if budget is None else budget)
         check_verifiable(target, draft, budget, longest + max_new_tokens)
-        policies = [_policy_for(target, draft, budget, tree, lookup, temperature, seed + b, int(p.shape[1]))
-                    for b, p in enumerate(prompts)]
+        # ``auto``: every sequence prices its rounds with the batch's curve at the longest prompt (one measurement)
+        policies = [_policy_for(target, draft, budget, tree, lookup, temperature, seed + b, longest, len(prompts))
+                    for b in range(len(prompts))]
     else:
         policies = policies_for(policy, len(prompts))
     results = speculative_generate(target, draft, prompts, policies, max_new_tokens, temperature, stop_token_ids,

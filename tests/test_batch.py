@@ -320,3 +320,49 @@ def test_a_batch_refuses_bad_input_with_a_message():
             autoregressive_generate(target, [p, p], 4)
     finally:
         target.config._attn_implementation = "sdpa"
+
+
+def test_auto_in_a_batch_prices_rounds_with_the_batch_curve_per_sequence(pair, monkeypatch):
+    """``auto`` for B sequences measures the batch round (one drafter pass and one verify of B trees) and divides it
+    by B; the curve is cached per batch size and not corrected online."""
+    import ddtree.cost as cost
+
+    target, draft, prompts, max_new, _, _ = pair
+    timed = []
+
+    def timer(fn, repeats, device=None, warmup=0):
+        before = len(verify_rows)
+        for _ in range(warmup + repeats):
+            fn()
+        timed.append(len(verify_rows) > before)
+        return 0.004  # every call of the batch of 4: its per-sequence share is 1 ms
+
+    from dflash_core.target import TargetAdapter
+
+    verify_rows = []
+    real = TargetAdapter.forward_batch
+
+    def spy(self, token_ids, *args, **kwargs):
+        verify_rows.append(token_ids.shape[0])
+        return real(self, token_ids, *args, **kwargs)
+
+    monkeypatch.setattr(cost, "median_seconds", timer)
+    monkeypatch.setattr(TargetAdapter, "forward_batch", spy)
+    curve = cost.measure_cost_model(target, draft, grid=(0, 2, 8), context=32, repeats=1, cap=16, batch=4)
+    assert curve.verify(8) == pytest.approx(0.001) and curve.fixed_s == pytest.approx(0.001)
+    assert set(verify_rows) == {4}  # every timed forward verified the four sequences together
+    single = cost.measure_cost_model(target, draft, grid=(0, 2, 8), context=32, repeats=1, cap=16)
+    assert single.verify(8) == pytest.approx(0.004)  # batch 1 is its own curve
+    import ddtree.budget as budget
+
+    asked = []
+    real_measure = budget.measure_cost_model
+
+    def measure(*args, **kwargs):
+        asked.append(kwargs.get("batch", 1))
+        return real_measure(*args, **kwargs)
+
+    monkeypatch.setattr(budget, "measure_cost_model", measure)
+    results = ddtree_generate(target, draft, prompts[:4], budget="auto", max_new_tokens=max_new)
+    assert [r.new_token_ids for r in results] == [greedy_reference(target, p, max_new) for p in prompts[:4]]
+    assert asked == [4] * 4  # each sequence's policy asked for the batch-of-4 curve
