@@ -286,7 +286,9 @@ class AutoBudget(BlockPolicy):
                      clock=time.perf_counter if online else None, build=build)
         if share_memory:
             models = (model_identity(target), model_identity(draft))
-            policy._shared = (models + (cost.key, float(temperature), cap, rule, chain, str(calibrate), window, build),
+            # rounds are booked in the seconds of their batch size's curve: each batch size keeps its own memory
+            policy._shared = (models + (cost.key, float(temperature), cap, rule, chain, str(calibrate), window, build,
+                                        batch),
                               (models + (cost, cap, chain)) if online else None)
             policy.share_as(())
         policy.calibration_s = cost.measured_s

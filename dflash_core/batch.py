@@ -8,7 +8,8 @@ How a batch shares one target cache: every layer holds ``[B, kv_heads, S, head_d
 occupy slots ``[0, L_b)``; slots from ``L_b`` to ``S`` hold leftovers that every attention mask hides. A round pads
 the sequences' trees to the largest one (a padded row sees only the committed prefix and itself, and its logits are
 never computed), gives every node its own sequence's position (``L_b + depth``) and its own tree's ancestor mask, and
-after the walk moves each sequence's root and accepted path down to ``[L_b, L_b + 1 + accepted)``. The drafter keeps
+after the walk copies each sequence's root and accepted path to ``[L_b, L_b + 1 + accepted)`` (only those entries
+move). The drafter keeps
 one small cache per sequence; a round stacks the caches of the sequences that want a draft, right-padded, and masks
 the padding. A sequence that stops leaves the batch (its cache rows are dropped).
 
@@ -209,20 +210,22 @@ class BatchTarget:
     def commit(self, seqs: list[int], paths: list[list[int]], committed: list[list[int]], drafted: list[bool]
                ) -> None:
         width = self.width
-        slots, lengths = [], []
+        sources, dests, lengths = [], [], []
         for b, (s, path, was_drafted) in enumerate(zip(seqs, paths, drafted)):
             start = self.lengths[b]
             keep = [0] + [i + 1 for i in path]  # the root and the accepted nodes, as rows of this round's tree
-            slots.append(list(range(start)) + [width + k for k in keep])
+            sources.append([width + k for k in keep])  # where this round put them
+            dests.append(list(range(start, start + len(keep))))  # right after the sequence's committed tokens
             lengths.append(start + len(keep))
             if self._features is not None:
                 kept = self._features[b, torch.tensor(keep, device=self._features.device)]
                 carried = None if was_drafted else self.pending[s]  # a round without the drafter consumed nothing
                 self.pending[s] = kept if carried is None else torch.cat([carried, kept])
-        new_width = max(lengths)
-        index = torch.tensor([row + [row[-1]] * (new_width - len(row)) for row in slots])
-        self.adapter.keep_slots(self.cache, index, fixed=min(self.lengths))
-        self.lengths, self.width, self._features = lengths, new_width, None
+        most = max(len(row) for row in sources)
+        pad = [row + [row[-1]] * (most - len(row)) for row in sources]  # a repeated pair rewrites the same entry
+        self.adapter.move_slots(self.cache, torch.tensor(pad),
+                                torch.tensor([row + [row[-1]] * (most - len(row)) for row in dests]), max(lengths))
+        self.lengths, self.width, self._features = lengths, max(lengths), None
 
     def finish(self, seqs: list[int]) -> None:
         stay = [b for b, s in enumerate(self.seqs) if s not in seqs]

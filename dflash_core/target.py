@@ -239,8 +239,9 @@ class TargetAdapter:
     # ------------------------------------------------------------------ a batch of sequences (ragged)
     # A batch shares one cache of shape [B, kv_heads, S, head_dim] per layer. Sequence b's committed tokens sit at
     # slots [0, length_b); slots from length_b to S hold leftovers that every mask hides. A forward appends the same
-    # number of new slots to every sequence (ragged inputs are padded) and :meth:`keep_slots` then moves each
-    # sequence's kept entries down to its own prefix, so the cache never holds more than the longest sequence.
+    # number of new slots to every sequence (ragged inputs are padded) and :meth:`move_slots` then moves each
+    # sequence's kept entries down to the end of its own prefix, so the cache never holds more than the longest
+    # sequence.
     @torch.inference_mode()
     def forward_batch(
         self,
@@ -264,22 +265,17 @@ class TargetAdapter:
         hidden = out.last_hidden.reshape(b * n, -1).index_select(0, rows.to(out.last_hidden.device))
         return TargetOutput(logits=self.model.lm_head(hidden.to(self.device)).float(), features=out.features)
 
-    def keep_slots(self, cache, slots: torch.Tensor, fixed: int = 0) -> None:
-        """Rearrange a batch cache: sequence b's slots become ``slots[b]`` ([B, S'] increasing cache indices, padded
-        with any index). Slots below ``fixed`` are unchanged in every sequence (``slots[:, :fixed]`` must be
-        ``0..fixed-1``): only the tail is gathered and written in place."""
-        tail = slots[:, fixed:]
-        for layer in self._layers(cache):
-            index = tail.to(layer.keys.device)[:, None, :, None].expand(-1, layer.keys.shape[1], -1,
-                                                                         layer.keys.shape[-1])
-            new_keys, new_values = layer.keys.gather(2, index), layer.values.gather(2, index)
-            width = fixed + tail.shape[1]
-            if width <= layer.keys.shape[2]:  # the kept tail fits where the old one was: write it in place
-                layer.keys, layer.values = layer.keys[:, :, :width], layer.values[:, :, :width]
-                layer.keys[:, :, fixed:], layer.values[:, :, fixed:] = new_keys, new_values
-            else:
-                layer.keys = torch.cat([layer.keys[:, :, :fixed], new_keys], dim=2)
-                layer.values = torch.cat([layer.values[:, :, :fixed], new_values], dim=2)
+    def move_slots(self, cache, source: torch.Tensor, dest: torch.Tensor, width: int) -> None:
+        """In every layer of a batch cache copy sequence b's slots ``source[b]`` to ``dest[b]`` ([B, K] slot
+        indices; a row may repeat its last pair as padding), then keep the first ``width`` slots. All sources are
+        read before any destination is written, so the two may overlap. Only the moved entries are copied."""
+        rows = torch.arange(source.shape[0])[:, None].expand_as(source)
+        for layer in self._layers(cache):  # advanced indexing: [B, K, heads, dim] (CPU scatter_ is ~10x slower)
+            device = layer.keys.device
+            b, src, dst = rows.to(device), source.to(device), dest.to(device)
+            keys, values = layer.keys[b, :, src], layer.values[b, :, src]
+            layer.keys[b, :, dst], layer.values[b, :, dst] = keys, values
+            layer.keys, layer.values = layer.keys[:, :, :width], layer.values[:, :, :width]
 
     def select_sequences(self, cache, batch_rows: torch.Tensor) -> None:
         """Keep only the sequences ``batch_rows`` of a batch cache (finished sequences leave the batch)."""
