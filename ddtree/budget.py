@@ -18,15 +18,13 @@ The a_i are the drafter's path probabilities calibrated online against what the 
 Bernoulli trial per edge whose parent was accepted, multiplied along each path; ``power``: p ** beta; ``bucket``: a
 reliability histogram over log p; ``none``: the drafter's own numbers), see :func:`calibrated_probs`.
 ``build`` (:mod:`ddtree.candidates`): ``"adaptive"`` (default) builds once, 1.25 x a high quantile of the recent
-verified sizes + 2, and chooses among that tree's prefixes (choices that fill it raise the next builds); a build
-costs about its node count, and building several times the chosen size made ``auto`` lose live to the best fixed
-budget. ``"exact"`` always gives the cap's choice: it builds twice as many nodes (up to the cap) while
+verified sizes + 2, and chooses among that tree's prefixes (choices that fill it raise the next builds; building
+several times the chosen size made ``auto`` lose live to the best fixed budget). ``"exact"`` always gives the cap's choice: it builds twice as many nodes (up to the cap) while
 :func:`~ddtree.candidates.settled_prefix` cannot rule out that a left-out node would change it. ``"cap"`` builds the
 cap's tree every round, as ``edge`` calibration always does (a node's value there depends on its siblings).
 ``python -m experiments.studies.auto_budget_study`` compares rules, calibrations and fixed budgets by offline replay
 under several cost curves; ``python -m experiments.studies.auto_oracle_study`` judges them against the per-dataset
-oracle as the benchmark does. Neither the rule, the calibration nor the
-cost curve ever changes the output, only the tree size.
+oracle as the benchmark does. Neither the rule, the calibration nor the cost curve ever changes the output.
 
 What a policy learns, and how to make runs reproducible. :meth:`AutoBudget.for_models` (what ``budget="auto"``
 builds) times its own rounds (``online=True``) and, with ``share_memory=True``, continues the round memory and the
@@ -35,9 +33,9 @@ Tree sizes then depend on earlier prompts and on the machine's timing noise (the
 reproducible tree sizes pass ``share_memory=False, online=False``, e.g.
 ``ddtree_generate(..., policy=make_policy("auto", target, draft, share_memory=False, online=False))``;
 :func:`forget_shared_memory` drops everything shared so far. What is shared is keyed by the policy's configuration
-(temperature, cap, rule, kind, calibration, window, build, and a ``variant`` such as lookup merging, see
-:meth:`AutoBudget.share_as`) and by the models' identity (:func:`model_identity`, never an ``id()``). The
-constructor reads no clock unless given one (``clock=time.perf_counter``): such a policy is replayable.
+(temperature, cap, rule, kind, calibration, window, build, batch size, and a ``variant`` such as lookup merging, see
+:meth:`AutoBudget.share_as`) and the models' identity (:func:`model_identity`, never an ``id()``); no clock is read
+unless one is given (``clock=time.perf_counter``): such a policy is replayable.
 """
 
 from __future__ import annotations
@@ -271,24 +269,21 @@ class AutoBudget(BlockPolicy):
         (``context``: the prompt length; default 256; derived from :func:`ddtree.cost.calibrate`'s buckets, or
         measured now, ``calibration_s``). ``online``: correct the curve from the policy's own round timings.
         ``share_memory``: continue the round memory and online curve of earlier generations in this process with
-        the same models and configuration; False for reproducible tree sizes (see the module doc). ``batch``: the
-        number of sequences decoded together; above 1 the curve is the batch round's, per sequence
-        (:func:`~ddtree.cost.measure_cost_model`), and not corrected online (a sequence's clock sees the whole
-        batch's round, not its share)."""
+        the same models and configuration; False for reproducible tree sizes (see the module doc). ``batch`` > 1:
+        the batch round's curve per sequence (``measure_cost_model``), its own memory, no online correction."""
         cap = cap if cap is not None else default_cap(target.lm_head.weight.device)
         if cost is None and profile is not None:
             cost = CostModel.from_profile(profile, context=context)
         if cost is None:
             cost = measure_cost_model(target, draft, context=context_bucket(context) if context else 256, cap=cap,
                                       chain=chain, extrapolate=True, batch=batch)
-        online = online and batch == 1
+        online = online and batch == 1  # a sequence's clock sees the whole batch's round, not its share
         policy = cls(cost, cap=cap, calibrate=calibrate, window=window, rule=rule, chain=chain,
                      clock=time.perf_counter if online else None, build=build)
         if share_memory:
             models = (model_identity(target), model_identity(draft))
-            # rounds are booked in the seconds of their batch size's curve: each batch size keeps its own memory
             policy._shared = (models + (cost.key, float(temperature), cap, rule, chain, str(calibrate), window, build,
-                                        batch),
+                                        batch),  # rounds are booked in their batch curve's seconds
                               (models + (cost, cap, chain)) if online else None)
             policy.share_as(())
         policy.calibration_s = cost.measured_s

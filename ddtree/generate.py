@@ -33,6 +33,7 @@ from dflash_core.decoding import validate_request
 from dflash_core.policy import BlockPolicy, DraftBlock, as_block
 from dflash_core.target import check_tree_attention
 
+from .batch_budget import SharedBudget
 from .budget import AutoBudget
 from .build import build_tree
 from .conditioned import build_markov_tree
@@ -40,7 +41,7 @@ from .lookup import LookupTreePolicy
 from .sampled import SampledTreePolicy
 from dflash_core.tree import DraftTree
 
-__all__ = ["BUDGET_WORDS", "FixedBudget", "TREE_KINDS", "check_verifiable", "ddtree_generate", "make_policy",
+__all__ = ["BATCH_BUDGETS", "BUDGET_WORDS", "FixedBudget", "TREE_KINDS", "check_verifiable", "ddtree_generate", "make_policy",
            "parse_budget"]
 
 TREE_KINDS = ("topk", "sampled")
@@ -162,8 +163,11 @@ def _policy_for(target, draft, budget, tree: str, lookup: bool, temperature: flo
     return policy
 
 
+BATCH_BUDGETS = ("shared", "per-sequence")  # how ``auto`` sizes the trees of a batch (ddtree.batch_budget)
+
+
 def _generate_batch(target, draft, prompts, budget, max_new_tokens, temperature, stop_token_ids, seed, block_size,
-                    trace, policy, tree, lookup, check_trees) -> list[GenerationResult]:
+                    trace, policy, tree, lookup, check_trees, batch_budget) -> list[GenerationResult]:
     """:func:`ddtree_generate` for a batch of prompts: the same checks, one policy per sequence (seeded seed + b)."""
     for b, p in enumerate(prompts):
         try:
@@ -181,8 +185,10 @@ def _generate_batch(target, draft, prompts, budget, max_new_tokens, temperature,
                     for b in range(len(prompts))]
     else:
         policies = policies_for(policy, len(prompts))
+    shared = batch_budget == "shared" and len(prompts) > 1 and all(isinstance(p, AutoBudget) for p in policies)
     results = speculative_generate(target, draft, prompts, policies, max_new_tokens, temperature, stop_token_ids,
-                                   seed, block_size=block_size, trace=trace, check_trees=check_trees)
+                                   seed, block_size=block_size, trace=trace, check_trees=check_trees,
+                                   proposer=SharedBudget(policies) if shared else None)
     for r, pol in zip(results, policies):
         if getattr(pol, "calibration_s", 0.0):
             r.timings["calibration"] = pol.calibration_s
@@ -207,6 +213,7 @@ def ddtree_generate(
     lookup: bool = False,
     check_trees: bool = False,
     attention_mask: torch.Tensor | None = None,
+    batch_budget: str = "shared",
 ) -> GenerationResult | list[GenerationResult]:
     """Speculative decoding with a DDTree draft tree per round; the output is exactly the target's.
 
@@ -231,11 +238,16 @@ def ddtree_generate(
     A batch: ``input_ids`` a list of prompts ([T] or [1, T], any lengths) or padded [B, T] ids with an
     ``attention_mask``; returns one result per prompt. Each sequence has its own policy (its own ``auto`` state and
     lookup history; ``policy=`` is copied per sequence) and a generator seeded ``seed + b``; all trees of a round are
-    verified in one target forward (:mod:`dflash_core.batch`).
+    verified in one target forward (:mod:`dflash_core.batch`). ``batch_budget`` (``budget="auto"`` in a batch):
+    ``"shared"`` (default) picks one tree size per round for the whole batch, ``"per-sequence"`` lets each
+    sequence's ``auto`` pick its own (:mod:`ddtree.batch_budget`).
     """
+    if batch_budget not in BATCH_BUDGETS:
+        raise ValueError(f"batch_budget must be one of {BATCH_BUDGETS}, got {batch_budget!r}")
     if is_batch(input_ids, attention_mask):
         return _generate_batch(target, draft, as_prompts(input_ids, attention_mask), budget, max_new_tokens,
-                               temperature, stop_token_ids, seed, block_size, trace, policy, tree, lookup, check_trees)
+                               temperature, stop_token_ids, seed, block_size, trace, policy, tree, lookup, check_trees,
+                               batch_budget)
     validate_request(input_ids, max_new_tokens, temperature)  # before any work (``auto`` measures a cost curve)
     if policy is not None and (budget is not None or tree != "topk" or lookup):
         raise ValueError("policy= decides the trees itself: pass either policy= or budget=/tree=/lookup=, not both")

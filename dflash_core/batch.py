@@ -251,11 +251,13 @@ def _stack(parts: list[torch.Tensor], width: int) -> torch.Tensor:
 @torch.inference_mode()
 def batch_generate(target, draft: DFlashDraftModel | None, prompts: list[torch.Tensor], policies: Sequence,
                    max_new_tokens: int = 128, temperature: float = 0.0, stop_token_ids: Sequence[int] | None = None,
-                   seed: int = 0, block_size: int | None = None, trace: bool = False, check_trees: bool = False
-                   ) -> list[GenerationResult]:
+                   seed: int = 0, block_size: int | None = None, trace: bool = False, check_trees: bool = False,
+                   proposer=None) -> list[GenerationResult]:
     """Decode ``prompts`` ([1, T_b] each) together, sequence b with ``policies[b]`` and a generator seeded
     ``seed + b`` (so it reproduces a single-prompt call with that seed). Returns one result per prompt; their
-    ``timings`` are the batch's (shared stages) plus ``"batch"``: the batch size."""
+    ``timings`` are the batch's (shared stages) plus ``"batch"``: the batch size. ``proposer``: proposes every
+    round's trees for the whole batch (:class:`~dflash_core.rounds.BatchProposer`) in place of the policies'
+    ``propose`` (they still observe their rounds)."""
     for b, p in enumerate(prompts):
         try:
             validate_request(p, max_new_tokens, temperature)
@@ -300,7 +302,7 @@ def batch_generate(target, draft: DFlashDraftModel | None, prompts: list[torch.T
     runners = [RoundRunner(policy, None, stops, max_new_tokens, temperature, gen, timer, check_trees)
                for policy, gen in zip(policies, generators)]
     t_loop = time.perf_counter()
-    run_rounds(runners, side, histories, results, timer)
+    run_rounds(runners, side, histories, results, timer, proposer)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     timings = {**timer.totals(), "decode": time.perf_counter() - t_loop, "batch": float(len(prompts))}

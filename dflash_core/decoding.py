@@ -61,6 +61,7 @@ def speculative_generate(
     trace: bool = False,
     check_trees: bool = False,
     attention_mask: torch.Tensor | None = None,
+    proposer=None,
 ) -> GenerationResult | list[GenerationResult]:
     """Generate with ``policy`` deciding each round's draft tree. See the module docstring for why it is lossless.
 
@@ -71,11 +72,14 @@ def speculative_generate(
     A batch: ``input_ids`` a list of prompts ([T] or [1, T] each, any lengths), or padded [B, T] ids with an
     ``attention_mask``. It returns one result per prompt, decoded together (one drafter pass and one target forward
     per round, see :mod:`dflash_core.batch`); sequence b uses its own copy of ``policy`` (or ``policy[b]`` from a
-    list) and a generator seeded ``seed + b``, so it commits what a single-prompt call with that seed commits."""
+    list) and a generator seeded ``seed + b``, so it commits what a single-prompt call with that seed commits.
+    ``proposer`` (batches only): proposes each round's trees for the whole batch (``rounds.BatchProposer``)."""
     if is_batch(input_ids, attention_mask):
         prompts = as_prompts(input_ids, attention_mask)
         return batch_generate(target, draft, prompts, policies_for(policy, len(prompts)), max_new_tokens,
-                              temperature, stop_token_ids, seed, block_size, trace, check_trees)
+                              temperature, stop_token_ids, seed, block_size, trace, check_trees, proposer)
+    if proposer is not None:
+        raise ValueError("proposer= proposes the trees of a batch: pass a list of prompts")
     policy, adapter, stops = _prepare(target, draft, input_ids, policy, max_new_tokens, temperature, stop_token_ids,
                                       block_size)
     device, uses_draft = adapter.device, policy.uses_draft

@@ -25,7 +25,7 @@ from .timing import StageTimer
 from .tree import ROOT, child_index
 
 __all__ = [
-    "BatchSide", "GenerationResult", "LiveTarget", "OneSequence", "RoundRunner", "RoundTarget", "check_room",
+    "BatchProposer", "BatchSide", "GenerationResult", "LiveTarget", "OneSequence", "RoundRunner", "RoundTarget", "check_room",
     "check_stop_ids", "commit_path", "compile_proposal", "draft_round", "draft_states", "follow", "make_block",
     "prefill", "run_rounds", "truncate_at_stop", "validate_request", "verify_proposal", "verify_walk",
 ]
@@ -351,7 +351,9 @@ class RoundRunner:
 
     def propose(self, drafted: DraftBlock | None, history: list[int]) -> Proposal:
         """The policy's tree for this round, its structure checked (and every check with ``check_trees``)."""
-        proposal = self.policy.propose(drafted, history)
+        return self.check(self.policy.propose(drafted, history))
+
+    def check(self, proposal: Proposal) -> Proposal:
         check_structure(proposal, self.policy.name)
         if self.check_trees:
             check_proposal(proposal)
@@ -373,13 +375,23 @@ class RoundRunner:
         history += committed
 
 
+class BatchProposer(Protocol):
+    """Proposes the trees of a whole batch at once (e.g. one tree size shared by every sequence, sized for the
+    batch's throughput): in place of each sequence's ``policy.propose``; every tree is still checked."""
+
+    def propose(self, seqs: list[int], blocks: list[DraftBlock | None], histories: list[list[int]]
+                ) -> list[Proposal]:
+        """The trees of the sequences ``seqs`` (their blocks and histories in the same order)."""
+
+
 def run_rounds(runners: Sequence[RoundRunner], side: BatchSide, histories: list[list[int]],
-               results: list[GenerationResult], timer: StageTimer) -> None:
+               results: list[GenerationResult], timer: StageTimer, proposer: BatchProposer | None = None) -> None:
     """THE decode loop: rounds for a batch of sequences (one sequence is a batch of one) until each has stopped.
 
     Every round: one drafter pass for the sequences whose policy wants it, each policy's tree, one target forward
     verifying all trees together, each sequence's walk, one commit; sequences that end leave the batch. Each
     sequence's round is its :class:`RoundRunner`'s, so a sequence in a batch commits exactly what it would alone.
+    ``proposer``: proposes all trees of a round together instead of each sequence's policy (:class:`BatchProposer`).
     """
     active = [i for i, runner in enumerate(runners) if not runner.finished(histories[i], results[i])]
     if len(active) < len(runners):
@@ -392,7 +404,11 @@ def run_rounds(runners: Sequence[RoundRunner], side: BatchSide, histories: list[
             with timer.stage("draft"):  # per sequence a DraftBlock: [b-1, V'] logits, id map, states, Markov scorer
                 blocks = dict(zip(asking, side.draft(asking, [histories[i][-1] for i in asking])))
         with timer.stage("tree"):
-            proposals = [runners[i].propose(blocks.get(i), histories[i]) for i in active]
+            if proposer is None:
+                proposals = [runners[i].propose(blocks.get(i), histories[i]) for i in active]
+            else:
+                trees = proposer.propose(active, [blocks.get(i) for i in active], [histories[i] for i in active])
+                proposals = [runners[i].check(tree) for i, tree in zip(active, trees)]
         with timer.stage("verify"):
             logits = side.verify(active, proposals, roots)
         with timer.stage("commit"):

@@ -32,7 +32,7 @@ def _color(name: str) -> str | None:
     if name in METHOD_COLORS:
         return METHOD_COLORS[name]
     if name.startswith("auto"):
-        return VARIANT_COLORS["auto"] if name == "auto" else VARIANT_COLORS["chain-auto"]
+        return {"auto": VARIANT_COLORS["auto"], "auto+lookup": METHOD_COLORS["pld"]}.get(name, VARIANT_COLORS["other"])
     return None  # fixed budgets: shades of red, set by the caller
 
 

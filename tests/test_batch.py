@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -81,6 +82,8 @@ def _methods(target, draft, prompts, max_new, stops):
         "planted-8": lambda: speculative_generate(target, draft, prompts, planted, max_new, stop_token_ids=stops),
         "auto": lambda: ddtree_generate(target, draft, prompts, budget="auto", max_new_tokens=max_new,
                                         stop_token_ids=stops),
+        "auto-per-sequence": lambda: ddtree_generate(target, draft, prompts, budget="auto", max_new_tokens=max_new,
+                                                     stop_token_ids=stops, batch_budget="per-sequence"),
         "lookup": lambda: ddtree_generate(target, draft, prompts, budget=8, lookup=True, max_new_tokens=max_new,
                                           stop_token_ids=stops),
     }
@@ -366,3 +369,46 @@ def test_auto_in_a_batch_prices_rounds_with_the_batch_curve_per_sequence(pair, m
     results = ddtree_generate(target, draft, prompts[:4], budget="auto", max_new_tokens=max_new)
     assert [r.new_token_ids for r in results] == [greedy_reference(target, p, max_new) for p in prompts[:4]]
     assert asked == [4] * 4  # each sequence's policy asked for the batch-of-4 curve
+
+
+def test_the_shared_size_maximizes_the_batchs_rate_by_brute_force():
+    from ddtree.batch_budget import shared_size
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        seconds = np.sort(rng.uniform(0.01, 0.05, 17))
+        probs = [np.sort(rng.uniform(0, 1, rng.integers(0, 17)))[::-1] for _ in range(rng.integers(1, 5))]
+        rate = None if rng.random() < 0.5 else float(rng.uniform(10, 200))
+
+        def value(n):
+            tokens = sum(1 + p[:n].sum() for p in probs)
+            return tokens / seconds[n] if rate is None else tokens - rate * seconds[n]
+
+        values = [value(n) for n in range(17)]
+        assert shared_size(probs, seconds, rate) == int(np.argmax(values))
+
+
+def test_a_shared_budget_gives_every_sequence_one_size_per_round(pair, monkeypatch):
+    from ddtree import batch_budget
+
+    target, draft, prompts, max_new, _, _ = pair
+    sizes, chosen = [], []
+    real = batch_budget.SharedBudget.propose
+
+    def spy(self, seqs, blocks, histories):
+        trees = real(self, seqs, blocks, histories)
+        sizes.append([len(t) for t in trees])
+        chosen.append(self.chosen[-1])
+        return trees
+
+    monkeypatch.setattr(batch_budget.SharedBudget, "propose", spy)
+    results = ddtree_generate(target, draft, prompts[:4], budget="auto", max_new_tokens=max_new)
+    assert [r.new_token_ids for r in results] == [greedy_reference(target, p, max_new) for p in prompts[:4]]
+    assert sizes and all(max(row) <= n for row, n in zip(sizes, chosen))
+    # every tree has the shared size, unless the sequence's built tree held fewer nodes
+    assert sum(all(k == n for k in row) for row, n in zip(sizes, chosen)) >= 0.5 * len(sizes)
+    assert len({n for n in chosen}) > 1  # the size follows the rounds
+    with pytest.raises(ValueError, match="batch_budget"):
+        ddtree_generate(target, draft, prompts[:2], budget="auto", max_new_tokens=4, batch_budget="each")
+    with pytest.raises(TypeError, match="AutoBudget"):
+        batch_budget.SharedBudget([decoding.Chain()])

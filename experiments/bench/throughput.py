@@ -5,11 +5,12 @@ The same first-turn prompts for every batch size (default: gsm8k, humaneval, mt-
 greedy, the embedded pair (or ``--draft random``: a random drafter, for a smoke test). For batch size B the prompts are
 cut into groups of B in their fixed order, and each group is decoded together by one call of the method (plain
 decoding batched is the baseline at every B). Per batch size the methods run group by group in an order rotated per
-group, after one untimed warm-up call of each at that batch size. A method's throughput at B is all its new tokens
+group, after one untimed warm-up call of each at that batch size (32 tokens of the warm-up prompt; ``auto`` measures
+its batch cost curve and starts its round memory there). A method's throughput at B is all its new tokens
 over all its calls' wall time (prefill included); the decode-only rate leaves the prefill out.
 
-Methods: ``ar`` (plain, batched), ``dflash`` (the chain), ``ddtree-N`` (fixed budgets, ``--budgets``), ``auto``
-and ``auto+lookup``. For each B the table gives tokens/s, the ratio to plain at that B, tau, the best fixed budget and
+Methods: ``ar`` (plain, batched), ``dflash`` (the chain), ``ddtree-N`` (fixed budgets, ``--budgets``), ``auto`` (one
+tree size per round for the batch), ``auto-per-sequence`` (each sequence's own) and ``auto+lookup``. For each B the table gives tokens/s, the ratio to plain at that B, tau, the best fixed budget and
 ``auto``'s mean tree size; outputs are compared token for token with plain decoding's (in bf16 a near-tie may round
 the other way in a differently grouped product; the count of equal outputs is reported).
 
@@ -34,8 +35,11 @@ __all__ = ["METHODS", "method_names", "make_runner", "summarize", "format_table"
 
 DEFAULT_DATASETS = ("gsm8k", "humaneval", "mt-bench", "grounded")
 DEFAULT_BUDGETS = (4, 8, 16, 32)
-METHODS = ("ar", "dflash", "ddtree", "auto", "auto+lookup")  # ``ddtree`` expands to one method per fixed budget
+# ``ddtree`` expands to one method per fixed budget; ``auto`` sizes a batch's trees together (one size per round),
+# ``auto-per-sequence`` lets each sequence's ``auto`` choose its own (``ddtree_generate(batch_budget=...)``)
+METHODS = ("ar", "dflash", "ddtree", "auto", "auto-per-sequence", "auto+lookup")
 SCHEMA = "throughput/1"
+WARMUP_TOKENS = 32
 
 
 def log(message: str) -> None:
@@ -63,11 +67,12 @@ def make_runner(method: str, target, draft, stops: Sequence[int]) -> Callable:
         budget = int(method.removeprefix("ddtree-"))
         return lambda prompts, n: ddtree_generate(target, draft, prompts, budget=budget, max_new_tokens=n,
                                                   stop_token_ids=stops)
-    if method in ("auto", "auto+lookup"):
-        lookup = method == "auto+lookup"
+    if method in ("auto", "auto-per-sequence", "auto+lookup"):
+        lookup, per = method == "auto+lookup", "per-sequence" if method == "auto-per-sequence" else "shared"
         return lambda prompts, n: ddtree_generate(target, draft, prompts, budget="auto", lookup=lookup,
-                                                  max_new_tokens=n, stop_token_ids=stops)
-    raise ValueError(f"unknown method {method!r}: use ar, dflash, ddtree-<N>, auto or auto+lookup")
+                                                  max_new_tokens=n, stop_token_ids=stops, batch_budget=per)
+    raise ValueError(f"unknown method {method!r}: use ar, dflash, ddtree-<N>, auto, auto-per-sequence or "
+                     "auto+lookup")
 
 
 def _groups(prompts: list, size: int) -> list[list]:
@@ -117,7 +122,7 @@ def summarize(cells: dict[str, dict[str, dict]], budgets: Sequence[int]) -> dict
         if fixed:
             best = max(fixed, key=fixed.get)
             entry["best_fixed"] = {"method": best, "tok_s": fixed[best]}
-            for name in ("auto", "auto+lookup"):
+            for name in ("auto", "auto-per-sequence", "auto+lookup"):
                 if name in methods:
                     entry[f"{name}_over_best_fixed"] = methods[name]["tok_s"] / fixed[best]
         summary[size] = entry
@@ -220,8 +225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         todo = [n for n in names if n not in row]
         if not todo:
             continue
-        for name in todo:  # untimed warm-up at this batch size (``auto`` measures its cost curve here)
-            runners[name]([warmup] * size, 8)
+        for name in todo:  # untimed warm-up at this batch size (``auto`` measures its cost curve and starts its
+            runners[name]([warmup] * size, WARMUP_TOKENS)  # round memory here, as a serving process would have)
         groups = _groups(prompts, size)
         partial = {n: [] for n in todo}
         for g, group in enumerate(groups):
