@@ -271,7 +271,7 @@ class AutoBudget(BlockPolicy):
         ``share_memory``: continue the round memory and online curve of earlier generations in this process with
         the same models and configuration; False for reproducible tree sizes (see the module doc). ``batch`` > 1:
         the batch round's curve per sequence (``measure_cost_model``), its own memory, no online correction."""
-        cap = cap if cap is not None else default_cap(target.lm_head.weight.device)
+        cap = cap if cap is not None else default_cap(target.lm_head.weight.device, batch)
         if cost is None and profile is not None:
             cost = CostModel.from_profile(profile, context=context)
         if cost is None:

@@ -412,3 +412,14 @@ def test_a_shared_budget_gives_every_sequence_one_size_per_round(pair, monkeypat
         ddtree_generate(target, draft, prompts[:2], budget="auto", max_new_tokens=4, batch_budget="each")
     with pytest.raises(TypeError, match="AutoBudget"):
         batch_budget.SharedBudget([decoding.Chain()])
+
+
+def test_auto_caps_a_batchs_trees_at_24_nodes_per_sequence_on_a_cpu(pair):
+    from ddtree.budget import AutoBudget
+    from ddtree.cost import default_cap
+
+    target, draft, _, _, _, _ = pair
+    assert default_cap(torch.device("cpu")) == 128 and default_cap(torch.device("cpu"), batch=4) == 24
+    assert default_cap(torch.device("cuda"), batch=4) == 1024  # unmeasured there: the single-sequence cap
+    assert AutoBudget.for_models(target, draft, batch=4).cap == 24
+    assert AutoBudget.for_models(target, draft, batch=4, cap=64).cap == 64
