@@ -28,9 +28,8 @@ import torch
 
 from .rounds import (
     GenerationResult, RoundRunner, check_room, check_stop_ids, compile_proposal, draft_states, follow, make_block,
-    run_rounds, validate_request,
+    make_blocks, run_rounds, validate_request,
 )
-from .markov import markov_scorer
 from .model import DFlashDraftModel, DraftCache
 from .policy import DraftBlock, Proposal, as_policy
 from .target import IncompatibleModelError, TREE_MASK_BACKENDS, TargetAdapter, check_compatibility
@@ -128,7 +127,6 @@ class BatchTarget:
         self.draft_caches = {b: DraftCache() for b in self.seqs}
         self.width = max(lengths)  # slots per row in the shared cache
         self._features: torch.Tensor | None = None
-        self._padded = 0  # tree rows (padding included) of the last verify
         self.batched_drafter = draft is not None and not any(
             layer.self_attn.causal or layer.self_attn.window is not None for layer in draft.layers)
 
@@ -173,10 +171,7 @@ class BatchTarget:
             own.keys = [k[j: j + 1].index_select(2, index) for k in cache.keys]
             own.values = [v[j: j + 1].index_select(2, index) for v in cache.values]
             self.pending[s] = None
-        states = hidden[:, 1:]  # [n, b-1, H]
-        logits, token_map = adapter.draft_logits(states, draft)
-        return [DraftBlock(logits[j], token_map, roots[j], adapter.vocab_size, states[j],
-                           markov_scorer(draft, logits[j], states[j])) for j in range(n)]
+        return make_blocks(draft, adapter, hidden[:, 1:], roots)  # states [n, b-1, H]
 
     def _draft_one(self, s: int, root: int) -> DraftBlock:
         start = self.lengths[self.seqs.index(s)]
@@ -203,7 +198,7 @@ class BatchTarget:
             visible[b, torch.arange(size, n), width + torch.arange(size, n)] = True  # a padding row sees itself
         rows = torch.cat([b * n + torch.arange(size) for b, size in enumerate(sizes)])
         out = self.adapter.forward_batch(ids, positions, self.cache, visible, rows, self.with_features)
-        self._features, self._padded = out.features, n
+        self._features = out.features
         return list(out.logits.split(sizes))
 
     # ------------------------------------------------------------------ commit

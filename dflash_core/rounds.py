@@ -26,7 +26,7 @@ from .tree import ROOT, child_index
 
 __all__ = [
     "BatchProposer", "BatchSide", "GenerationResult", "LiveTarget", "OneSequence", "RoundRunner", "RoundTarget", "check_room",
-    "check_stop_ids", "commit_path", "compile_proposal", "draft_round", "draft_states", "follow", "make_block",
+    "check_stop_ids", "commit_path", "compile_proposal", "draft_round", "draft_states", "follow", "make_block", "make_blocks",
     "prefill", "run_rounds", "truncate_at_stop", "validate_request", "verify_proposal", "verify_walk",
 ]
 
@@ -201,8 +201,15 @@ def draft_states(draft: DFlashDraftModel, adapter: TargetAdapter, root: int, pen
 def make_block(draft: DFlashDraftModel, adapter: TargetAdapter, states: torch.Tensor, root: int) -> DraftBlock:
     """A :class:`DraftBlock` from the drafter's output states [b-1, H] of a block rooted at ``root``: compact logits
     over the draft vocabulary and, for a drafter with a Markov head, its conditional scorer."""
+    return make_blocks(draft, adapter, states[None], [root])[0]
+
+
+def make_blocks(draft: DFlashDraftModel, adapter: TargetAdapter, states: torch.Tensor, roots: list[int]
+                ) -> list[DraftBlock]:
+    """:func:`make_block` for several blocks at once (states [n, b-1, H], one root each): one head product for all."""
     logits, token_map = adapter.draft_logits(states, draft)
-    return DraftBlock(logits, token_map, root, adapter.vocab_size, states, markov_scorer(draft, logits, states))
+    return [DraftBlock(rows, token_map, root, adapter.vocab_size, own, markov_scorer(draft, rows, own))
+            for rows, own, root in zip(logits, states, roots)]
 
 
 def draft_round(draft: DFlashDraftModel, adapter: TargetAdapter, root: int, pending: torch.Tensor, start: int,
