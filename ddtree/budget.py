@@ -1,41 +1,35 @@
-"""Hardware-aware tree size per round (``budget="auto"``, and ``"chain-auto"`` for DFlash chains).
+"""Hardware-aware tree size per round: ``budget="auto"`` (and ``"chain-auto"`` for DFlash chains).
 
 The best-first tree lists nodes in order of decreasing path probability, and every prefix of that order is itself a
 valid (prefix-closed) tree. Verifying the first N nodes commits on average ``1 + sum_{i<=N} a_i`` tokens, a_i the
 probability that node i's whole path is accepted, and costs ``round_seconds(N)`` under the machine's cost curve
 (:mod:`ddtree.cost`: measured once per machine and context bucket, then corrected online from the loop's own round
-timings).
+timings). Each round :class:`AutoBudget` verifies the prefix N that maximizes ``1 + sum a_i - rate * seconds(N)``,
+rate = committed tokens per modeled second over the rounds it remembers (:func:`best_prefix`). This maximizes the
+long-run rate sum(tokens) / sum(seconds) (Dinkelbach's fixed point of the renewal-reward ratio): confident rounds get
+larger trees and doubtful ones smaller than under the best tokens per second of each round alone, which is what it
+maximizes until it has seen ``warmup`` rounds.
 
-Each round :class:`AutoBudget` keeps the prefix of the tree at a cap that maximizes
+The a_i are the drafter's path probabilities calibrated against what the target accepted, one factor per depth
+(:func:`calibrated_probs`). How far to build: once per round, at :func:`build_size` nodes (a little more than the
+recent verified sizes), choosing among that tree's prefixes; a round that takes the whole build raises the next ones.
 
-* the marginal rule (default): ``1 + sum a_i - rate * seconds(N)``, rate = committed tokens per modeled second over
-  the rounds it remembers. This maximizes the long-run rate sum(tokens) / sum(seconds) (Dinkelbach's fixed point of
-  the renewal-reward ratio): confident rounds get larger trees and doubtful ones smaller than under
-* the ratio rule: ``(1 + sum a_i) / seconds(N)``, the best tokens per second of the round alone.
+What ``auto`` learns is held by its caller: a :class:`RoundMemory` (the verified rounds the rate and calibration are
+read from, and the online correction of each cost curve the rounds were timed against). A policy made without one
+starts fresh, from the cost curve cached on disk and the drafter's own probabilities, so a plain
+``ddtree_generate(budget="auto")`` call sizes its trees the same every time (up to the machine's timing noise, which
+the online correction follows; ``online=False`` reads no clock). To carry the calibration over from one call to the
+next, create a memory and pass it to each call's policy (``make_policy("auto", target, draft, memory=memory)``); a
+memory belongs to one method on one model pair (``auto`` with lookup branches learns from other rounds than plain
+``auto``). Neither the rule, the calibration nor the cost curve ever changes the output, only the tree size.
 
-The a_i are the drafter's path probabilities calibrated online against what the target accepted (default
-``depth``: one factor per depth; ``edge``: a reliability curve of the drafter's conditional probabilities, one
-Bernoulli trial per edge whose parent was accepted, multiplied along each path; ``power``: p ** beta; ``bucket``: a
-reliability histogram over log p; ``none``: the drafter's own numbers), see :func:`calibrated_probs`.
-``build`` (:mod:`ddtree.candidates`): ``"adaptive"`` (default) builds once, 1.25 x a high quantile of the recent
-verified sizes + 2, and chooses among that tree's prefixes (choices that fill it raise the next builds; building
-several times the chosen size made ``auto`` lose live to the best fixed budget). ``"exact"`` always gives the cap's choice: it builds twice as many nodes (up to the cap) while
-:func:`~ddtree.candidates.settled_prefix` cannot rule out that a left-out node would change it. ``"cap"`` builds the
-cap's tree every round, as ``edge`` calibration always does (a node's value there depends on its siblings).
-``python -m experiments.studies.auto_budget_study`` compares rules, calibrations and fixed budgets by offline replay
-under several cost curves; ``python -m experiments.studies.auto_oracle_study`` judges them against the per-dataset
-oracle as the benchmark does. Neither the rule, the calibration nor the cost curve ever changes the output.
-
-What a policy learns, and how to make runs reproducible. :meth:`AutoBudget.for_models` (what ``budget="auto"``
-builds) times its own rounds (``online=True``) and, with ``share_memory=True``, continues the round memory and the
-online cost curve of earlier generations with the same models in this process, so a new prompt starts calibrated.
-Tree sizes then depend on earlier prompts and on the machine's timing noise (the output never does). For
-reproducible tree sizes pass ``share_memory=False, online=False``, e.g.
-``ddtree_generate(..., policy=make_policy("auto", target, draft, share_memory=False, online=False))``;
-:func:`forget_shared_memory` drops everything shared so far. What is shared is keyed by the policy's configuration
-(temperature, cap, rule, kind, calibration, window, build, batch size, and a ``variant`` such as lookup merging, see
-:meth:`AutoBudget.share_as`) and the models' identity (:func:`model_identity`, never an ``id()``); no clock is read
-unless one is given (``clock=time.perf_counter``): such a policy is replayable.
+In a batch (:class:`SharedBudget`) every tree is padded to the largest one, so a round costs what the largest tree
+costs: one size N per round for the whole batch maximizes the batch's committed tokens per second,
+``sum_b (1 + sum_{i<=N} a_{b,i}) - R * s(N)`` (:func:`shared_size`), with a_{b,i} sequence b's calibrated path
+probabilities (its own :class:`AutoBudget` builds and calibrates them, as alone), s(N) the per-sequence share of the
+batch round (the batch size's cost curve) and R the sum of the sequences' long-run rates. Each sequence verifies the
+first N nodes of its tree and books the round in its policy's memory (the sequences of one call share one memory, so
+they learn together).
 """
 
 from __future__ import annotations
@@ -43,25 +37,28 @@ from __future__ import annotations
 import itertools
 import math
 import time
-import weakref
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import numpy as np
-import torch
 
-from dflash_core.policy import BlockPolicy, DraftBlock, as_block
-from dflash_core.tree import DraftTree
+from dflash_core.tree import BlockPolicy, DraftBlock, DraftTree
 
-from .candidates import (BUILD_LADDER, BUILD_LOOKBACK, best_prefix, build_ladder, build_size, cap_tree,
-                         settled_prefix, truncate_tree)
+from .build import best_tree
 from .cost import CostModel, OnlineCost, context_bucket, default_cap, measure_cost_model
-from .edges import EDGE_EDGES, edge_log_q, edge_probs
 
-__all__ = ["AutoBudget", "Round", "RoundMemory", "CALIBRATIONS", "RULES", "calibrated_probs", "value_bound",
-           "best_prefix", "truncate_tree", "forget_shared_memory", "model_identity"]
+__all__ = ["AutoBudget", "BUILD_FLOOR", "BUILD_LOOKBACK", "Round", "RoundMemory", "SharedBudget", "best_prefix",
+           "build_size", "calibrated_probs", "shared_size"]
+
+_MAX_DEPTH = 64  # depths beyond share the calibration factor of this one
+
+BUILD_FLOOR = 8  # nodes auto builds at least (also before it has verified any round)
+BUILD_GROWTH = 1.25  # ... else this many times the robust recent size
+BUILD_MARGIN = 2  # ... plus these nodes,
+BUILD_QUANTILE = 0.75  # the robust size: this quantile of the drafter nodes verified over the last
+BUILD_LOOKBACK = 16  # rounds
 
 
 @dataclass(frozen=True)
@@ -73,7 +70,6 @@ class Round:
     depths: np.ndarray  # [n] int
     accepted: np.ndarray  # [n] bool: node on the accepted path
     seconds: float
-    parents: np.ndarray | None = None  # [n] int, -1 for the root's children (None: unknown, no edge statistics)
 
     @property
     def tokens(self) -> int:
@@ -81,17 +77,11 @@ class Round:
         return int(self.accepted.sum()) + 1
 
 
-CALIBRATIONS = ("none", "power", "depth", "bucket", "edge")
-RULES = ("marginal", "ratio")
-BUILDS = ("adaptive", "exact", "cap")  # how far AutoBudget builds each round (module docstring)
-DEFAULT_CALIBRATION = "depth"
-_BUCKET_EDGES = np.array([-6.0, -4.0, -3.0, -2.5, -2.0, -1.5, -1.0, -0.7, -0.4, -0.2, -0.1])  # on log p
-_MAX_DEPTH = 64
-
-
 class RoundMemory:
-    """The last ``window`` rounds with running totals (tokens, modeled seconds, per-depth and per-bucket counts),
-    so a policy reads its rate and calibration in O(depths + buckets) per round."""
+    """What ``auto`` learnt, held by its caller (module docstring): the last ``window`` verified rounds with running
+    totals (tokens, modeled seconds, per-depth predicted and observed acceptance), so a policy reads its rate and
+    calibration in O(depths) per round; and the online correction of each measured cost curve a clocked policy timed
+    its rounds against (:meth:`online_cost`)."""
 
     def __init__(self, window: int = 256) -> None:
         if window < 1:
@@ -101,10 +91,7 @@ class RoundMemory:
         self.tokens, self.seconds = 0, 0.0
         self.depth_pred, self.depth_obs = np.zeros(_MAX_DEPTH + 1), np.zeros(_MAX_DEPTH + 1)
         self.depth_nodes = np.zeros(_MAX_DEPTH + 1, dtype=np.int64)
-        self.bucket_nodes = np.zeros(len(_BUCKET_EDGES) + 1, dtype=np.int64)
-        self.bucket_hits = np.zeros(len(_BUCKET_EDGES) + 1)
-        self.edge_q, self.edge_hits = np.zeros(len(EDGE_EDGES) + 1), np.zeros(len(EDGE_EDGES) + 1)
-        self.edge_nodes = np.zeros(len(EDGE_EDGES) + 1, dtype=np.int64)
+        self.curves: dict[CostModel, OnlineCost] = {}
 
     def __len__(self) -> int:
         return len(self.rounds)
@@ -119,30 +106,18 @@ class RoundMemory:
         self.depth_pred += sign * np.bincount(depths, weights=np.exp(r.log_p), minlength=_MAX_DEPTH + 1)
         self.depth_obs += sign * np.bincount(depths, weights=r.accepted.astype(float), minlength=_MAX_DEPTH + 1)
         self.depth_nodes += sign * np.bincount(depths, minlength=_MAX_DEPTH + 1)
-        which = np.searchsorted(_BUCKET_EDGES, r.log_p)
-        self.bucket_nodes += sign * np.bincount(which, minlength=len(_BUCKET_EDGES) + 1)
-        self.bucket_hits += sign * np.bincount(which, weights=r.accepted.astype(float),
-                                               minlength=len(_BUCKET_EDGES) + 1)
-        if r.parents is not None and len(r.parents):
-            self._add_edges(r, sign)
-
-    def _add_edges(self, r: Round, sign: int) -> None:
-        """Count the edges the round tested: a node is tested when its parent was accepted (the root always is),
-        and then accepted with a probability that depends on its conditional probability only."""
-        parents = np.asarray(r.parents, dtype=int)
-        tested = np.where(parents >= 0, r.accepted[np.maximum(parents, 0)], True)
-        log_q = edge_log_q(r.log_p, parents)[tested]
-        which = np.searchsorted(EDGE_EDGES, log_q)
-        size = len(EDGE_EDGES) + 1
-        self.edge_q += sign * np.bincount(which, weights=np.exp(log_q), minlength=size)
-        self.edge_hits += sign * np.bincount(which, weights=r.accepted[tested].astype(float), minlength=size)
-        self.edge_nodes += sign * np.bincount(which, minlength=size)
 
     def append(self, r: Round) -> None:
         self.rounds.append(r)
         self._add(r, +1)
         if len(self.rounds) > self.window:
             self._add(self.rounds.popleft(), -1)
+
+    def online_cost(self, cost: CostModel) -> OnlineCost:
+        """The online correction of the measured curve ``cost`` (a new one, equal to it, on first use)."""
+        if cost not in self.curves:
+            self.curves[cost] = OnlineCost(cost)
+        return self.curves[cost]
 
     @classmethod
     def of(cls, rounds) -> "RoundMemory":
@@ -154,123 +129,99 @@ class RoundMemory:
         return memory
 
 
-def calibrated_probs(log_p: np.ndarray, depths: np.ndarray, rounds, method: str, prior: float = 2.0,
-                     parents: np.ndarray | None = None) -> np.ndarray:
+def calibrated_probs(log_p: np.ndarray, depths: np.ndarray, rounds, prior: float = 2.0) -> np.ndarray:
     """The acceptance probability of each node (path log-prob ``log_p``, depth ``depths``) learnt from ``rounds``
-    (a :class:`RoundMemory` or a sequence of :class:`Round`).
+    (a :class:`RoundMemory` or a sequence of :class:`Round`; none: the drafter's own probabilities).
 
-    * ``none``   -- the drafter's own path probability;
-    * ``power``  -- p ** beta, one exponent for all nodes with sum p ** beta = accepted tokens over ``rounds``;
-    * ``depth``  -- f_d * p per depth d, f_d = (accepted at d + prior) / (sum of p at d + prior): the drafter's
-      over- or under-confidence may grow with depth (depths beyond those seen take the deepest seen factor);
-    * ``bucket`` -- per bucket of log p, the observed acceptance rate shrunk toward p:
-      (accepted in bucket + prior * p) / (nodes in bucket + prior) (a histogram / reliability-diagram fit);
-    * ``edge``   -- per edge: a node whose parent is accepted is accepted with probability g(q), q its conditional
-      probability given the parent, g(q) = F_b * q with F_b = (accepted + prior) / (sum of q + prior) over the
-      tested edges in q's bucket b; a node's acceptance is the product of g along its path (needs ``parents``;
-      without them, or before any edge was seen, ``depth``). See :func:`edge_probs` for why.
-
-    A node counts as accepted when it lies on the path the target accepted, so its probability is that of its whole
-    path: exactly the quantity the expected committed tokens ``1 + sum p_i`` add up.
+    f_d * p per depth d, f_d = (accepted at d + prior) / (sum of p at d + prior): the drafter's over- or
+    under-confidence may grow with depth (depths beyond those seen take the deepest seen factor). A node counts as
+    accepted when it lies on the path the target accepted, so its probability is that of its whole path: exactly the
+    quantity the expected committed tokens ``1 + sum p_i`` add up.
     """
     p = np.exp(log_p)
-    if method not in CALIBRATIONS:
-        raise ValueError(f"unknown calibration {method!r}: use one of {CALIBRATIONS}")
-    if method == "none" or not len(rounds):
+    if not len(rounds):
         return p
-    if method == "power":
-        return np.exp(_fit_beta([(r.log_p, int(r.accepted.sum())) for r in rounds]) * log_p)
     memory = RoundMemory.of(rounds)
-    if method == "edge" and parents is not None and memory.edge_nodes.sum() > 0:
-        return edge_probs(log_p, depths, parents, memory, prior)
-    if method in ("depth", "edge"):
-        factor = (memory.depth_obs + prior) / (memory.depth_pred + prior)
-        # unseen depths: the factor of the deepest seen depth above them (1.0 above every seen one)
-        seen = np.maximum.accumulate(np.where(memory.depth_nodes > 0, np.arange(len(factor)), -1))
-        factor = np.where(seen >= 0, factor[np.maximum(seen, 0)], 1.0)
-        return np.clip(factor[np.minimum(depths.astype(int), _MAX_DEPTH)] * p, 0.0, 1.0)
-    mine = np.searchsorted(_BUCKET_EDGES, log_p)
-    return (memory.bucket_hits[mine] + prior * p) / (memory.bucket_nodes[mine] + prior)
+    factor = (memory.depth_obs + prior) / (memory.depth_pred + prior)
+    # unseen depths: the factor of the deepest seen depth above them (1.0 above every seen one)
+    seen = np.maximum.accumulate(np.where(memory.depth_nodes > 0, np.arange(len(factor)), -1))
+    factor = np.where(seen >= 0, factor[np.maximum(seen, 0)], 1.0)
+    return np.clip(factor[np.minimum(depths.astype(int), _MAX_DEPTH)] * p, 0.0, 1.0)
 
 
-def value_bound(log_p: float, rounds, method: str, prior: float = 2.0) -> float:
-    """An upper bound on :func:`calibrated_probs` of every node whose path log-probability is at most ``log_p``, at
-    any depth (what :mod:`ddtree.candidates` needs to know of the nodes a build left out).
+def best_prefix(path_probs: np.ndarray, cost, rate: float | None = None, seconds: np.ndarray | None = None) -> int:
+    """The tree size N in 0..len(path_probs) to verify (smallest N on ties).
 
-    Every calibration but ``edge`` values a node by its path probability and depth alone, increasingly in p at a
-    given depth and within a bucket of log p; so the bound is the largest value at ``log_p`` and at the top of each
-    bucket below it, over all depths, raised by a relative 1e-9 so that rounding never puts a node above it.
-    ``edge`` scales a node by its siblings' share: no bound from the path probability alone (ValueError)."""
-    if method == "edge":
-        raise ValueError("the edge calibration values a node by its siblings too: it has no bound by path probability")
-    probe = np.concatenate([[log_p], _BUCKET_EDGES[_BUCKET_EDGES < log_p]])
-    depths = np.arange(1, _MAX_DEPTH + 1)
-    values = calibrated_probs(np.repeat(probe, len(depths)), np.tile(depths, len(probe)), rounds, method, prior)
-    return float(values.max()) * (1.0 + 1e-9)
+    ``rate`` = lambda > 0: argmax_N (1 + sum_{i<=N} p_i) - lambda * round_seconds(N), i.e. add nodes while each one's
+    expected tokens pay for its cost at the run's long-run rate. ``rate=None`` (before the rate is known):
+    argmax_N (1 + sum_{i<=N} p_i) / round_seconds(N), the best tokens per second of this round alone. ``cost``: the
+    :class:`~ddtree.cost.CostModel` (its ``round_seconds``); ``seconds``: ``cost.round_seconds(0..M)`` precomputed
+    for some M >= len(path_probs) (saves the interpolation; ``cost`` is then not read).
+    """
+    if seconds is None:
+        seconds = np.asarray(cost.round_seconds(np.arange(len(path_probs) + 1)), dtype=float)
+    gain = 1.0 + np.concatenate([[0.0], np.cumsum(np.asarray(path_probs, dtype=float))])
+    seconds = seconds[: len(gain)]
+    return int(np.argmax(gain / seconds if rate is None else gain - rate * seconds))
+
+
+def build_size(recent: Iterable[int], cap: int) -> int:
+    """How many nodes to build this round: ``BUILD_GROWTH`` times the ``BUILD_QUANTILE`` quantile of the ``recent``
+    verified sizes (the value at that rank of the sorted list), rounded up, plus ``BUILD_MARGIN``; at least
+    ``BUILD_FLOOR``, at most ``cap``. A high quantile, not the largest, so that one confident round does not enlarge
+    the next builds; the margin lets a round choose a little more than the recent ones, and a round that takes the
+    whole build raises the next."""
+    sizes = sorted(recent)
+    typical = sizes[min(len(sizes) - 1, int(BUILD_QUANTILE * len(sizes)))] if sizes else 0
+    return min(cap, max(BUILD_FLOOR, math.ceil(BUILD_GROWTH * typical) + BUILD_MARGIN))
 
 
 class AutoBudget(BlockPolicy):
     """Per-round tree size that maximizes committed tokens per second under the machine's cost curve.
 
     Each round the best-first tree (``chain=True``: the drafter's top-1 chain, a DFlash block of chosen length) is
-    built to :meth:`build_sizes` (``build``: see the module docstring), the nodes' acceptance probabilities are
-    estimated (``calibrate``: :func:`calibrated_probs`) and the prefix to verify is chosen by ``rule``
-    (:func:`best_prefix`; the marginal rule's rate is the committed tokens per modeled second of the rounds
-    remembered). ``built`` / ``rebuilds``: the nodes built per round (every build counted) / builds after the first.
+    built at :meth:`next_build_size` nodes, the nodes' acceptance probabilities are estimated
+    (:func:`calibrated_probs`) and the prefix to verify is chosen (:func:`best_prefix`). ``chosen`` / ``built``: the
+    nodes verified / built per round.
 
-    ``cost``: the measured curve (:mod:`ddtree.cost`). ``clock`` (e.g. ``time.perf_counter``, what :meth:`for_models`
-    passes): the policy times its rounds (between consecutive :meth:`propose` calls: one whole round of the previous
-    proposal's size) and corrects the curve with them (``online_cost``, an :class:`~ddtree.cost.OnlineCost`). Without
-    a clock (the default) nothing reads one: the same logits and feedback give the same choices (replayable).
-    ``memory``: the rounds learnt from (at most ``window``). ``calibration_s``: seconds :meth:`for_models` spent
-    measuring the curve (0.0 when cached). Nothing here changes the output, only the tree size.
+    ``cost``: the measured curve (:mod:`ddtree.cost`). ``memory``: the :class:`RoundMemory` learnt from and into
+    (default: a fresh one). ``clock`` (e.g. ``time.perf_counter``, what :meth:`for_models` passes): the policy times
+    its rounds (between consecutive :meth:`propose` calls: one whole round of the previous proposal's size) and
+    corrects the curve with them (``online_cost``, the memory's :class:`~ddtree.cost.OnlineCost` of ``cost``).
+    Without a clock (the default) nothing reads one: the same logits and feedback give the same choices
+    (replayable). ``calibration_s``: seconds :meth:`for_models` spent measuring the curve (0.0 when cached).
     """
 
     uses_draft = True
 
-    def __init__(self, cost: CostModel, cap: int = 128, calibrate: bool | str = True, window: int = 256,
-                 rule: str = "marginal", chain: bool = False, memory: RoundMemory | None = None,
-                 warmup: int = 4, clock: Callable[[], float] | None = None,
-                 online_cost: OnlineCost | None = None, build: str = "adaptive") -> None:
+    def __init__(self, cost: CostModel, cap: int = 128, chain: bool = False, memory: RoundMemory | None = None,
+                 warmup: int = 4, clock: Callable[[], float] | None = None) -> None:
         if cap < 0:
             raise ValueError(f"cap must be >= 0, got {cap}")
-        if build not in BUILDS:
-            raise ValueError(f"unknown build {build!r}: use one of {BUILDS}")
-        self.build = build
-        method = (DEFAULT_CALIBRATION if calibrate else "none") if isinstance(calibrate, bool) else calibrate
-        if method not in CALIBRATIONS:
-            raise ValueError(f"unknown calibration {calibrate!r}: use one of {CALIBRATIONS} (or True / False)")
-        if rule not in RULES:
-            raise ValueError(f"unknown rule {rule!r}: use one of {RULES}")
-        self.cost, self.cap, self.calibrate, self.rule, self.chain = cost, cap, method, rule, chain
+        self.cost, self.cap, self.chain, self.proposes_chains = cost, cap, chain, chain
         self.name = "chain-auto" if chain else "auto"
-        self.memory = memory if memory is not None else RoundMemory(window)
+        self.memory = memory if memory is not None else RoundMemory()
         self.warmup = warmup
         self.clock = clock
-        self.online_cost = online_cost if online_cost is not None or clock is None else OnlineCost(cost)
+        self.online_cost = self.memory.online_cost(cost) if clock is not None else None
         self.calibration_s = 0.0
         self._seconds = self._round_seconds()  # [cap + 1] modeled seconds per tree size
-        self._pending: tuple | None = None  # (log_p, depths, modeled seconds, parents) of the round in flight
+        self._held: tuple | None = None  # (log_p, depths, modeled seconds) of the round in flight
         self._timing: list | None = None  # [clock at the last propose, its size, history length, tokens committed]
         self.chosen: list[int] = []  # tree size picked each round (for studies)
-        self.built: list[int] = []  # nodes built each round, all builds together (for studies)
-        self.rebuilds: list[int] = []  # builds each round after the first (for studies)
-        self._building, self._builds = 0, 0  # nodes built and builds so far in the round in flight
-        self._shared: tuple | None = None  # for_models: (memory key, online curve key) before the variant
+        self.built: list[int] = []  # nodes built each round (for studies)
+        self._building = 0  # nodes built so far in the round in flight
 
     @classmethod
-    def for_models(cls, target, draft, cap: int | None = None, calibrate: bool | str = True,
-                   cost: CostModel | None = None, context: int | None = None, profile: str | Path | None = None,
-                   rule: str = "marginal", chain: bool = False, temperature: float = 0.0,
-                   share_memory: bool = True, window: int = 256, online: bool = True,
-                   build: str = "adaptive", batch: int = 1) -> "AutoBudget":
+    def for_models(cls, target, draft, cap: int | None = None, cost: CostModel | None = None,
+                   context: int | None = None, profile: str | Path | None = None, chain: bool = False,
+                   memory: RoundMemory | None = None, online: bool = True, batch: int = 1) -> "AutoBudget":
         """The policy with the cost curve of ``target`` + ``draft`` on this machine: ``cost``, else a GPU
         ``profile``'s (``experiments.studies.gpu_check``), else the cached curve of ``context_bucket(context)`` tokens
         (``context``: the prompt length; default 256; derived from :func:`ddtree.cost.calibrate`'s buckets, or
-        measured now, ``calibration_s``). ``online``: correct the curve from the policy's own round timings.
-        ``share_memory``: continue the round memory and online curve of earlier generations in this process with
-        the same models and configuration; False for reproducible tree sizes (see the module doc). ``batch`` > 1:
-        the batch round's curve per sequence (``measure_cost_model``), its own memory, no online correction."""
+        measured now, ``calibration_s``). ``memory``: what earlier calls learnt (module docstring; default: start
+        fresh). ``online``: correct the curve from the policy's own round timings. ``batch`` > 1: the batch round's
+        curve per sequence (``measure_cost_model``), no online correction."""
         cap = cap if cap is not None else default_cap(target.lm_head.weight.device, batch)
         if cost is None and profile is not None:
             cost = CostModel.from_profile(profile, context=context)
@@ -278,39 +229,14 @@ class AutoBudget(BlockPolicy):
             cost = measure_cost_model(target, draft, context=context_bucket(context) if context else 256, cap=cap,
                                       chain=chain, extrapolate=True, batch=batch)
         online = online and batch == 1  # a sequence's clock sees the whole batch's round, not its share
-        policy = cls(cost, cap=cap, calibrate=calibrate, window=window, rule=rule, chain=chain,
-                     clock=time.perf_counter if online else None, build=build)
-        if share_memory:
-            models = (model_identity(target), model_identity(draft))
-            policy._shared = (models + (cost.key, float(temperature), cap, rule, chain, str(calibrate), window, build,
-                                        batch),  # rounds are booked in their batch curve's seconds
-                              (models + (cost, cap, chain)) if online else None)
-            policy.share_as(())
+        policy = cls(cost, cap=cap, chain=chain, memory=memory, clock=time.perf_counter if online else None)
         policy.calibration_s = cost.measured_s
         return policy
-
-    def share_as(self, variant: tuple) -> None:
-        """Continue the shared round memory and online curve of ``for_models`` policies of this ``variant`` (a
-        hashable tuple; ``()``: plain ``auto``). A policy that sizes other rounds than its own -- ``auto`` inside a
-        :class:`~ddtree.lookup.LookupTreePolicy` books drafter nodes of merged trees and times merged rounds -- must
-        not teach plain ``auto`` (nor learn from it). Nothing happens for a policy that shares nothing."""
-        if self._shared is None:
-            return
-        memory_key, curve_key = self._shared
-        self.memory = _SHARED_MEMORY.setdefault(memory_key + (variant,), RoundMemory(self.memory.window))
-        if curve_key is not None:
-            self.online_cost = _SHARED_CURVES.setdefault(curve_key + (variant,), OnlineCost(self.cost))
-            self._seconds = self._round_seconds()
 
     @property
     def curve(self) -> CostModel:
         """The cost curve the policy prices rounds with now: the online one when it times rounds, else ``cost``."""
         return self.online_cost.curve if self.online_cost is not None else self.cost
-
-    @property
-    def beta(self) -> float:
-        """The power calibration's exponent on the remembered rounds (1.0 before any)."""
-        return _fit_beta([(r.log_p, int(r.accepted.sum())) for r in self.memory]) if self.memory else 1.0
 
     @property
     def rate(self) -> float | None:
@@ -319,45 +245,20 @@ class AutoBudget(BlockPolicy):
             return None
         return self.memory.tokens / max(self.memory.seconds, 1e-12)
 
+    def propose(self, block: DraftBlock, history: list[int]) -> DraftTree:
+        """The prefix of the best-first tree (or chain) worth verifying this round."""
+        now = self.start_round(history)
+        tree, probs = self.drafter_tree(block, self.next_build_size())
+        n = self.choose(probs)
+        self.hold_proposal(tree.log_probs.double().numpy()[:n], tree.depths.numpy()[:n], n, now, len(history))
+        return tree.prefix(n)  # a chain's prefix is a chain: verified without a mask
+
     def observe(self, path: list[int]) -> None:
         """The loop's feedback: the accepted nodes that were committed this round."""
-        self.record(len(path), path)
+        self.store_round(len(path), path)
 
-    def record(self, accepted_draft_tokens: int, path: list[int] | None = None) -> None:
-        """Feed back the round just verified: how many draft tokens the target accepted and (when known) which
-        nodes (indices into the proposal). Without ``path`` the accepted nodes are taken as the best-first
-        tree's most probable node at each depth up to the accepted count (exact for a chain)."""
-        if self._timing is not None:
-            self._timing[3] = accepted_draft_tokens + 1  # with the bonus: the history grows by this much
-        if self._pending is None:
-            return
-        log_p, depths, seconds, parents = self._pending
-        self._pending = None
-        accepted = np.zeros(len(log_p), dtype=bool)
-        if path is not None:
-            accepted[np.asarray(path, dtype=int)] = True
-        else:
-            for d in range(1, accepted_draft_tokens + 1):
-                at = np.flatnonzero(depths == d)
-                if len(at):
-                    accepted[at[np.argmax(log_p[at])]] = True
-        self.memory.append(Round(log_p, depths, accepted, seconds, parents))
-
-    def propose(self, block: DraftBlock, history: list[int], token_map: torch.Tensor | None = None):
-        """The prefix of the best-first tree (or chain) worth verifying this round. ``block`` is the round's
-        :class:`DraftBlock` (or logits with their ``token_map``, as callers of the older contract pass them)."""
-        now = self.start_round(history)
-        block = as_block(block, history, token_map)
-        for size in self.build_sizes():  # the last one is the cap, where a choice always comes
-            full, probs, beyond = self.candidates(block, history, size)
-            n = self.choose(probs, beyond)
-            if n is not None:
-                break
-        self.remember(full.log_probs.double().numpy()[:n], full.depths.numpy()[:n], n, now, len(history),
-                      parents=full.parents.numpy()[:n])
-        return truncate_tree(full, n)  # a chain's prefix is a chain: verified without a mask
-
-    # The steps of a round, public so that a policy can add candidates of its own (``ddtree.lookup``).
+    # The steps of a round, public so that a policy can add nodes of its own (``ddtree.lookup``) or size several
+    # sequences together (:class:`SharedBudget`).
     def start_round(self, history: list[int]) -> float | None:
         """Read the clock (when the policy times rounds) and close the previous round's timing."""
         now = self.clock() if self.clock is not None else None
@@ -365,58 +266,46 @@ class AutoBudget(BlockPolicy):
             self._time_round(now, len(history))
         return now
 
-    def build_sizes(self) -> tuple[int, ...]:
-        """The tree sizes to try this round, in order: :func:`~ddtree.candidates.build_size` of the drafter nodes
-        verified in the last rounds remembered (so it follows the memory shared by ``share_as``); for ``"exact"``
-        followed by its :func:`~ddtree.candidates.build_ladder` (each built only when the one before could not
-        settle the choice, the last one the cap); the cap alone for ``"cap"`` and for ``edge``."""
-        if self.calibrate == "edge" or self.build == "cap":
-            return (self.cap,)
+    def next_build_size(self) -> int:
+        """How many nodes to build this round: :func:`build_size` of the drafter nodes verified in the last
+        ``BUILD_LOOKBACK`` rounds of the memory."""
         recent = (len(r.log_p) for r in itertools.islice(reversed(self.memory.rounds), BUILD_LOOKBACK))
-        first = build_size(recent, self.cap)
-        return build_ladder(first, self.cap) if self.build == "exact" else (first,)
+        return build_size(recent, self.cap)
 
-    def candidates(self, block: DraftBlock, history: list[int], size: int | None = None
-                   ) -> tuple[DraftTree, np.ndarray, float | None]:
-        """The drafter's best tree (or chain) of ``size`` nodes (default: the cap), its nodes' calibrated acceptance
-        probabilities, and a bound on the probability of every node it left out (:func:`value_bound`; None when it
-        left none out -- the cap's tree, or one the drafter cannot fill -- and for ``build="adaptive"``, which
-        chooses among the built tree's prefixes as if it were complete). Under the conditioned distribution when the
-        drafter has a Markov head (``block.scorer``, which keeps each children distribution wide enough for the next
-        size of the ladder, so that a rebuild reuses them)."""
-        size = self.cap if size is None else min(size, self.cap)
-        width = min(self.cap, BUILD_LADDER * size) if self.build == "exact" else size  # rows a rebuild would reuse
-        tree = cap_tree(block, size, self.chain, history, width=width)
+    def drafter_tree(self, block: DraftBlock, size: int) -> tuple[DraftTree, np.ndarray]:
+        """The drafter's best tree (or chain) of at most ``size`` nodes (:func:`ddtree.build.best_tree`: conditioned
+        when the drafter has a Markov head) and its nodes' calibrated acceptance probabilities."""
+        tree = best_tree(block, min(size, self.cap), self.chain)
         self._building += len(tree)
-        self._builds += 1
         rounds = self.memory if len(self.memory) >= self.warmup else ()
-        probs = calibrated_probs(tree.log_probs.double().numpy(), tree.depths.numpy(), rounds, self.calibrate,
-                                 parents=tree.parents.numpy())
-        left_out = len(tree) == size < self.cap and self.build == "exact"
-        return tree, probs, value_bound(float(tree.log_probs[-1]), rounds, self.calibrate) if left_out else None
+        return tree, calibrated_probs(tree.log_probs.double().numpy(), tree.depths.numpy(), rounds)
 
-    def choose(self, probs: np.ndarray, beyond: float | None = None, exact: int | None = None) -> int | None:
-        """How many of the nodes (in the order of ``probs``, a valid tree order) to verify. ``beyond`` None:
-        ``probs`` is the complete list. Else its first ``exact`` values (default: all) are those of the complete list
-        and every later one is at most ``beyond``: the complete list's choice, or None when it cannot be told
-        (:func:`~ddtree.candidates.settled_prefix`)."""
-        rate = self.rate if self.rule == "marginal" else None
-        if beyond is None:
-            return best_prefix(probs, self.curve, rate, self._seconds)
-        return settled_prefix(probs, self._seconds, rate, len(probs) if exact is None else exact, beyond)
+    def choose(self, probs: np.ndarray) -> int:
+        """How many of the nodes (in the order of ``probs``, a valid tree order) to verify."""
+        return best_prefix(probs, self.curve, self.rate, self._seconds)
 
-    def remember(self, log_p: np.ndarray, depths: np.ndarray, n: int, now: float | None, length: int,
-                 parents: np.ndarray | None = None) -> None:
-        """Book the round: ``n`` nodes verified, of which the drafter's have these log-probs, depths and
-        ``parents`` (indices among them; None when unknown: the round then teaches no edge statistics), what
-        :meth:`observe` learns from, its modeled seconds, and the clock for the online curve."""
+    def hold_proposal(self, log_p: np.ndarray, depths: np.ndarray, n: int, now: float | None, length: int) -> None:
+        """Hold the round in flight until the target's verdict (:meth:`store_round`): ``n`` nodes verified, of which
+        the drafter's have these log-probs and depths, its modeled seconds, and the clock for the online curve."""
         self.chosen.append(n)
         self.built.append(self._building)
-        self.rebuilds.append(max(0, self._builds - 1))
-        self._building, self._builds = 0, 0
-        self._pending = (log_p, depths, float(self._seconds[n]), parents)
+        self._building = 0
+        self._held = (log_p, depths, float(self._seconds[n]))
         if now is not None:
             self._timing = [now, n, length, None]
+
+    def store_round(self, committed_draft_tokens: int, drafter_path: list[int]) -> None:
+        """Store the verdict on the round held: the target accepted ``committed_draft_tokens`` draft tokens, of
+        which ``drafter_path`` are the held drafter nodes (indices among them)."""
+        if self._timing is not None:
+            self._timing[3] = committed_draft_tokens + 1  # with the bonus: the history grows by this much
+        if self._held is None:
+            return
+        log_p, depths, seconds = self._held
+        self._held = None
+        accepted = np.zeros(len(log_p), dtype=bool)
+        accepted[np.asarray(drafter_path, dtype=int)] = True
+        self.memory.append(Round(log_p, depths, accepted, seconds))
 
     def _time_round(self, now: float, length: int) -> None:
         """The previous round ended now: feed its wall time to the online curve when it was one round of the same
@@ -433,68 +322,43 @@ class AutoBudget(BlockPolicy):
         return np.asarray(self.curve.round_seconds(np.arange(self.cap + 1)), dtype=float)
 
 
-_SHARED_MEMORY: dict[tuple, RoundMemory] = {}  # what for_models policies learnt, per models and configuration
-_SHARED_CURVES: dict[tuple, OnlineCost] = {}  # their online cost curves, per models, measured curve, kind
-_TOKENS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its token (lives as long as it does)
-_NEXT_TOKEN = itertools.count(1)
+def shared_size(probs: list[np.ndarray], seconds: np.ndarray, rate: float | None) -> int:
+    """The size N in 0..len(seconds)-1 maximizing the batch objective of the module docstring (smallest on ties):
+    ``probs`` one array of calibrated path probabilities per sequence (a tree shorter than N contributes all it
+    has), ``seconds`` the per-sequence round seconds at 0..cap nodes, ``rate`` the batch's long-run rate or None
+    (before it is known: the batch's tokens per second of this round alone)."""
+    gain = np.full(len(seconds), float(len(probs)))
+    for p in probs:
+        cum = np.concatenate([[0.0], np.cumsum(np.asarray(p, dtype=float))])[: len(seconds)]
+        gain += np.concatenate([cum, np.full(len(seconds) - len(cum), cum[-1])])
+    objective = gain / seconds if rate is None else gain - rate * seconds
+    return int(np.argmax(objective))
 
 
-def model_identity(model) -> tuple:
-    """What shared ``auto`` state is keyed by for ``model`` (None for no model): (token, weights, dtype, shape).
+class SharedBudget:
+    """The batch proposer of ``budget="auto"``: one tree size per round for the whole batch (module docstring);
+    ``policies[b]``: sequence b's :class:`AutoBudget` (all on the same cost curve)."""
 
-    ``token``: a number given on first use and never again (a model made after another was collected does not
-    inherit its memory, as it would an ``id()``; a collected model's entries are dropped). ``weights``: each tensor's
-    storage and version counter, which in-place edits advance (one through ``p.data`` does not: call
-    :func:`forget_shared_memory` after it). ``shape``: taps, width, block and vocabulary sizes, depth."""
-    if model is None:
-        return (None,)
-    token = _TOKENS.get(model)
-    if token is None:
-        token = _TOKENS[model] = next(_NEXT_TOKEN)
-        weakref.finalize(model, _forget_model, token)
-    tensors = itertools.chain(model.parameters(), model.buffers())
-    weights = hash(tuple((t.data_ptr(), _version(t)) for t in tensors))
-    cfg = model.config
-    shape = (tuple(getattr(cfg, "target_layer_ids", ())), cfg.hidden_size, getattr(cfg, "block_size", None),
-             getattr(cfg, "draft_vocab_size", None), cfg.num_hidden_layers, cfg.vocab_size)
-    return token, weights, str(next(model.parameters()).dtype), shape
+    def __init__(self, policies: list[AutoBudget]) -> None:
+        if not policies or not all(isinstance(p, AutoBudget) for p in policies):
+            raise TypeError("SharedBudget sizes the trees of AutoBudget policies (budget='auto'), one per sequence")
+        self.policies = policies
+        self.chosen: list[int] = []  # the shared size of every round (for studies)
 
-
-def _version(tensor: torch.Tensor) -> int:
-    """The tensor's in-place version counter (-1 for a tensor made under ``torch.inference_mode``: it keeps none)."""
-    try:
-        return tensor._version
-    except RuntimeError:
-        return -1
-
-
-def _forget_model(token: int) -> None:
-    """A model was collected: drop the shared state keyed by it (its token is never used again)."""
-    for shared in (_SHARED_MEMORY, _SHARED_CURVES):
-        for key in [k for k in shared if token in (k[0][0], k[1][0])]:
-            del shared[key]
-
-
-def forget_shared_memory() -> None:
-    """Drop what ``AutoBudget.for_models`` policies learnt in this process: round memories and online cost curves
-    (tests, a changed workload, weights edited through ``.data``, or a reproducible run after others)."""
-    _SHARED_MEMORY.clear()
-    _SHARED_CURVES.clear()
-
-
-def _fit_beta(history) -> float:
-    """Solve sum_rounds sum_i p_i**beta = sum_rounds accepted for beta in [0.25, 8] by bisection (monotone)."""
-    log_p = np.concatenate([lp for lp, _ in history]) if history else np.zeros(0)
-    observed = float(sum(a for _, a in history))
-    if log_p.size == 0:
-        return 1.0
-    lo, hi = 0.25, 8.0
-    expected = lambda beta: float(np.exp(beta * log_p).sum())  # noqa: E731  decreasing in beta (log p <= 0)
-    if expected(lo) <= observed:
-        return lo
-    if expected(hi) >= observed:
-        return hi
-    for _ in range(40):
-        mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if expected(mid) > observed else (lo, mid)
-    return math.sqrt(lo * hi)
+    def propose(self, seqs: list[int], blocks: list[DraftBlock | None], histories: list[list[int]]) -> list:
+        built = []
+        for s, block, history in zip(seqs, blocks, histories):
+            policy = self.policies[s]
+            now = policy.start_round(history)
+            tree, probs = policy.drafter_tree(block, policy.next_build_size())
+            built.append((policy, tree, probs, now, len(history)))
+        rates = [policy.rate for policy, *_ in built]
+        rate = None if any(r is None for r in rates) else float(sum(rates))
+        n = shared_size([probs for _, _, probs, _, _ in built], built[0][0]._seconds, rate)
+        self.chosen.append(n)
+        trees = []
+        for policy, tree, _, now, length in built:
+            k = min(n, len(tree))
+            policy.hold_proposal(tree.log_probs.double().numpy()[:k], tree.depths.numpy()[:k], k, now, length)
+            trees.append(tree.prefix(k))
+        return trees

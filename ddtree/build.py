@@ -18,7 +18,7 @@ prefix at depth d therefore has a log-prob >= tau - (chain score above d), and o
 cutoff are opened. On the CPU this runs a block of rows at a time (a row's log-softmax does not depend on the other
 rows: bit-identical values) and stops at the first row whose chain score is below tau, since every prefix through
 it scores at most that chain (log-probs are <= 0): the log-softmax, most of the builder's time, skips that row and
-all deeper ones (a flat draft's tree is 2-4 levels deep). On CUDA all rows go at once: one sync, one packed copy.
+all deeper ones (a flat draft's tree is only a few levels deep). On CUDA all rows go at once: one sync, one packed copy.
 
 ``select_prefixes`` (host, numpy; the "pop loop"): enumerates, depth by depth, every prefix whose score reaches a
 bound tau (all children of the kept prefixes of the previous depth, as one outer sum and one mask per depth), then
@@ -33,19 +33,46 @@ node up: its own rank first, then its parent's, and so on). The order is total a
 (smaller depth) and after its better siblings (smaller own rank), so truncating it at B always gives a valid tree,
 and both builders agree even on exact ties. (Reading the path from the node up is what the vectorized enumeration
 produces for free: it lays out each depth rank by rank, every rank over all parents.)
+
+## Trees for a drafter with a Markov head (each depth drafted after its parent's token)
+
+A DFlash drafter with a Markov head (:mod:`dflash_core.model`) gives, for a node u at depth d carrying token t, its
+children's distribution q(. | t) at depth d+1: the block's logits of that depth plus a bias from t. Under this model
+the probability that the target accepts a node's whole path is the product of the conditional probabilities along
+it, and the expected number of accepted draft tokens of a tree is the sum of its nodes' path probabilities, as for
+DDTree's factorized drafter. Only now a node's children depend on which token it carries.
+
+Why best-first with lazy expansion gives the best tree of B nodes. A path's value (the sum of its conditional
+log-probabilities) never increases down the path (every term is <= 0), so the B most valuable paths are prefix-closed:
+with ties broken by depth, a node's parent always ranks before it, and so does every better sibling. The builder
+keeps a heap of open candidates: for each node already in the tree, its best child not yet taken, and the next
+sibling of each taken node. Every path outside the tree has an ancestor-or-self whose candidate (the parent's next
+untaken child, which is at least as good as it) sits in the heap, and that candidate's value is >= the path's value.
+So each pop takes the best path not yet in the tree, and after B pops the tree holds the B best paths. A popped node's
+children distribution is computed when it is popped ("lazy expansion": at most B distributions, each over the
+draft vocabulary), and only its ``budget - size`` best children are kept (a child ranked lower can never be reached:
+its better siblings alone would fill the budget).
+
+``build_conditioned_tree(logits, budget, bias, root)`` takes the per-depth logits and a function giving a node's
+bias; :func:`build_markov_tree` takes a round's :class:`~dflash_core.model.MarkovScorer`. Both return a
+:class:`DraftTree` in best-first order (path log-probabilities non-increasing, parents before children). With a zero
+bias the tree equals :func:`ddtree.build_tree`'s (same nodes; the order can differ only among exact ties).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import numbers
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 
-from dflash_core.tree import ROOT, DraftTree
+from dflash_core.tree import ROOT, Chain, DraftBlock, DraftTree
+
 
 CHUNK = 64  # tokens per chunk whose maximum is taken on the device
 MIN_CHUNKED_VOCAB = 16 * CHUNK  # below this the candidate search is not worth it: take complete top-K rows
@@ -58,7 +85,7 @@ OUTER_SUM_LIMIT = 1 << 24  # entries of one depth's outer sum (128 MiB of float6
 
 
 @dataclass(frozen=True)
-class Candidates:
+class CandidateRows:
     """Per-depth candidate tokens on the host, best first, as flat row-major arrays.
 
     Row d (0-based; depth d+1) holds the tokens ``token_ids[row_start[d]:row_start[d+1]]``, sorted by (log-prob
@@ -199,7 +226,7 @@ def reference_build_tree(draft_logits: torch.Tensor, budget: int, token_map: tor
 # ---------------------------------------------------------------------------------------------- stage 1: candidates
 
 
-def top_candidates(draft_logits: torch.Tensor, budget: int, complete: bool = False) -> Candidates:
+def top_candidates(draft_logits: torch.Tensor, budget: int, complete: bool = False) -> CandidateRows:
     """Stage 1 of ``build_tree``: the tokens per row that the tree can use, on the host.
 
     With ``complete`` (or a small vocabulary) every row holds its complete top K = min(budget, vocab) tokens;
@@ -227,7 +254,7 @@ def _margin(bound: float) -> float:
     return 1e-3 * (1.0 + abs(bound))
 
 
-def _candidates_by_row_blocks(draft_logits: torch.Tensor, budget: int, max_rank: int) -> Candidates | None:
+def _candidates_by_row_blocks(draft_logits: torch.Tensor, budget: int, max_rank: int) -> CandidateRows | None:
     """CPU stage 1 by blocks of rows (module docstring): ROW_BLOCK rows first (more if needed for B entries), then as
     many as the chain, falling at its mean rate so far, needs to drop below tau (1 to 2 ROW_BLOCK). tau only grows as
     rows add prefixes, so entries below it never matter again: ``pool`` keeps the rest. Returns None when tau is not
@@ -269,7 +296,7 @@ def _candidates_by_row_blocks(draft_logits: torch.Tensor, budget: int, max_rank:
     return _candidates_from_chunks(*found, num_chunks, max_rank, depth)
 
 
-def _candidates_on_device(log_probs: torch.Tensor, budget: int, max_rank: int) -> Candidates | None:
+def _candidates_on_device(log_probs: torch.Tensor, budget: int, max_rank: int) -> CandidateRows | None:
     """Accelerator stage 1: all rows at once, one scalar sync for tau, one packed copy of the opened chunks."""
     depth, vocab = log_probs.shape
     num_chunks = vocab // CHUNK
@@ -312,7 +339,7 @@ def _open_chunks_and_copy(body: torch.Tensor, tail: torch.Tensor, chunk_max: tor
 
 
 def _candidates_from_chunks(row_max: np.ndarray, cutoff: np.ndarray, opened: np.ndarray, blocks: np.ndarray,
-                            tail: np.ndarray, num_chunks: int, max_rank: int, depth: int) -> Candidates:
+                            tail: np.ndarray, num_chunks: int, max_rank: int, depth: int) -> CandidateRows:
     """Keep the tokens of the opened chunks (and of the tail) that reach their row's cutoff; rows from
     ``cutoff.size`` to ``depth`` were never looked at and get cutoff 0 (log-probs never exceed 0)."""
     opened_rows = opened // num_chunks  # [s]
@@ -333,7 +360,7 @@ def _candidates_from_chunks(row_max: np.ndarray, cutoff: np.ndarray, opened: np.
 
 
 def _sorted_candidates(rows: np.ndarray, tokens: np.ndarray, values: np.ndarray, row_max: np.ndarray,
-                       cutoff: np.ndarray, max_rank: int, token_sorted: bool = False) -> Candidates:
+                       cutoff: np.ndarray, max_rank: int, token_sorted: bool = False) -> CandidateRows:
     """Sort candidates by (row, log-prob desc, token id asc) and keep ranks < max_rank."""
     _check_row_maxima(row_max)
     depth = cutoff.size
@@ -350,18 +377,18 @@ def _sorted_candidates(rows: np.ndarray, tokens: np.ndarray, values: np.ndarray,
     cutoff[counts >= max_rank] = -math.inf  # these rows hold their complete top K
     empty = np.flatnonzero(counts == 0)
     reachable_rows = int(empty[0]) if empty.size else depth
-    return Candidates(row_start, rows, tokens, values, cutoff, max_rank, reachable_rows)
+    return CandidateRows(row_start, rows, tokens, values, cutoff, max_rank, reachable_rows)
 
 
 # ---------------------------------------------------------------------------------------------- stage 2: selection
 
 
-def select_prefixes(candidates: Candidates, budget: int) -> SelectedNodes | None:
+def select_prefixes(candidates: CandidateRows, budget: int) -> SelectedNodes | None:
     """Stage 2 of ``build_tree`` (its "pop loop"): the best ``budget`` prefixes over the candidate rows, best first.
 
-    The heap on the candidate rows costs about one microsecond per node, the depth-by-depth enumeration
-    (``_select_by_levels``) a fixed overhead plus a few microseconds per depth, so small budgets over many rows run
-    the heap and the rest the enumeration. Both are exact and give the same canonical order. Returns
+    The heap on the candidate rows costs a Python step per node, the depth-by-depth enumeration
+    (``_select_by_levels``) a fixed overhead plus a few array operations per depth, so small budgets over many rows
+    run the heap and the rest the enumeration. Both are exact and give the same canonical order. Returns
     None when the candidate rows are too short to prove the result exact (the caller then asks for complete rows).
     """
     if budget < HEAP_BELOW_FIXED + HEAP_BELOW_PER_ROW * candidates.reachable_rows:
@@ -369,7 +396,7 @@ def select_prefixes(candidates: Candidates, budget: int) -> SelectedNodes | None
     return _select_by_levels(candidates, budget)
 
 
-def _select_by_levels(candidates: Candidates, budget: int) -> SelectedNodes | None:
+def _select_by_levels(candidates: CandidateRows, budget: int) -> SelectedNodes | None:
     """Vectorized selection: enumerate every prefix scoring at least a lower bound on the B-th best score.
 
     One depth at a time: the children of all kept prefixes of the previous depth are one outer sum of the row's
@@ -451,7 +478,7 @@ def _select_by_levels(candidates: Candidates, budget: int) -> SelectedNodes | No
                          score[order])
 
 
-def _select_by_heap(candidates: Candidates, budget: int) -> SelectedNodes | None:
+def _select_by_heap(candidates: CandidateRows, budget: int) -> SelectedNodes | None:
     """The reference heap on the candidate rows: for small budgets, and for drafts whose enumeration would explode
     (for example rows of -inf logits, where every zero-probability prefix ties)."""
     starts, usable = candidates.row_start.tolist(), candidates.reachable_rows
@@ -494,3 +521,219 @@ def build_tree(draft_logits: torch.Tensor, budget: int, token_map: torch.Tensor 
     if selected is None:  # candidate rows too short to be sure: redo with complete top-K rows
         selected = select_prefixes(top_candidates(draft_logits, budget, complete=True), budget)
     return selected.to_tree(token_map)
+
+
+def best_tree(block: DraftBlock, budget: int, chain: bool = False) -> DraftTree:
+    """The best tree of at most ``budget`` nodes from a round's drafter ``block``: for a drafter with a Markov head
+    (``block.scorer``) the conditioned one, each node's children drawn from the distribution given its own token
+    (:func:`build_markov_tree`), else the factorized one (:func:`build_tree`). ``chain``: the
+    drafter's top-1 chain of at most ``budget`` tokens instead (DFlash's block, conditioned too with a head)."""
+    if chain:
+        return Chain().propose(dataclasses.replace(block, logits=block.logits[:budget], _full=None), [block.root])
+    if block.scorer is not None:
+        return build_markov_tree(block.scorer, budget, block.root, block.token_map)
+    return build_tree(block.logits, budget, token_map=block.token_map)
+
+
+# ---------------------------------------------------------------------------------------------------- Markov-head trees
+# expand(depth, parent_token, k) -> (log-probs [<= k] float64, descending; their target token ids [<= k] int64)
+Expander = Callable[[int, int, int], tuple[np.ndarray, np.ndarray]]
+
+
+def top_children(row: np.ndarray, k: int, token_map: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """The ``k`` best columns of a log-prob row, best first (ties: lower column first), as (log-probs, token ids);
+    columns at -inf (outside the draft vocabulary) are dropped."""
+    k = min(k, row.shape[0])
+    cols = np.argpartition(-row, k - 1)[:k] if k < row.shape[0] else np.arange(row.shape[0])
+    cols = cols[np.lexsort((cols, -row[cols]))]
+    cols = cols[np.isfinite(row[cols])]
+    return row[cols].astype(np.float64), (cols if token_map is None else token_map[cols])
+
+
+def best_first_conditioned(expand: Expander, max_depth: int, budget: int, root: int) -> DraftTree:
+    """The best tree of at most ``budget`` nodes and depth ``max_depth`` under a conditioned drafter (see the module
+    docstring); ``expand(depth, parent_token, k)`` gives the k best children of a node carrying ``parent_token``
+    (the root for depth 1)."""
+    if budget <= 0 or max_depth <= 0:
+        return DraftTree.empty()
+    tokens: list[int] = []
+    parents: list[int] = []
+    depths: list[int] = []
+    scores: list[float] = []
+    kids = {ROOT: expand(1, root, budget)}
+    heap: list[tuple[float, int, int, int, int]] = []  # (-value, depth, counter, parent, rank among its children)
+    if len(kids[ROOT][0]):
+        heap.append((-float(kids[ROOT][0][0]), 1, 0, ROOT, 0))
+    counter = 1
+    while heap and len(tokens) < budget:
+        neg, depth, _, parent, rank = heapq.heappop(heap)
+        log_probs, ids = kids[parent]
+        node = len(tokens)
+        tokens.append(int(ids[rank]))
+        parents.append(parent)
+        depths.append(depth)
+        scores.append(-neg)
+        above = scores[parent] if parent != ROOT else 0.0
+        if rank + 1 < len(log_probs):  # the next sibling
+            heapq.heappush(heap, (-(above + float(log_probs[rank + 1])), depth, counter, parent, rank + 1))
+            counter += 1
+        if depth < max_depth and len(tokens) < budget:  # the node's own best child
+            kids[node] = expand(depth + 1, tokens[node], budget - len(tokens))
+            if len(kids[node][0]):
+                heapq.heappush(heap, (neg - float(kids[node][0][0]), depth + 1, counter, node, 0))
+                counter += 1
+    return DraftTree(torch.tensor(tokens, dtype=torch.int64), torch.tensor(parents, dtype=torch.int64),
+                     torch.tensor(depths, dtype=torch.int64), torch.tensor(scores, dtype=torch.float64))
+
+
+def _log_softmax_np(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def build_conditioned_tree(logits: torch.Tensor, budget: int, bias: Callable[[int, int], object], root: int,
+                           token_map: torch.Tensor | None = None) -> DraftTree:
+    """The best ``budget``-node tree when depth d's distribution is ``softmax(logits[d-1] + bias(d, parent_token))``.
+
+    ``logits`` [D, V'] (row d-1 = depth d; over the target vocabulary, or over a draft vocabulary whose column j is
+    target token ``token_map[j]``); ``bias(depth, parent_token)`` returns a [V'] array or tensor for the children of
+    a node carrying ``parent_token`` (a target id; the root ``root`` for depth 1).
+    """
+    base = logits.detach().float().cpu().numpy()
+    ids = None if token_map is None else token_map.detach().cpu().numpy().astype(np.int64)
+
+    def expand(depth: int, parent_token: int, k: int):
+        b = bias(depth, parent_token)
+        b = b.detach().float().cpu().numpy() if isinstance(b, torch.Tensor) else np.asarray(b, dtype=np.float32)
+        return top_children(_log_softmax_np(base[depth - 1] + b), k, ids)
+
+    return best_first_conditioned(expand, base.shape[0], int(budget), int(root))
+
+
+PREFETCH_BELOW = 8  # budgets from here on batch the likely parents' children up front (MarkovScorer.prefetch)
+PREFETCH_WIDTH = 1  # the guess: children of each depth's most likely token under the unconditioned logits,
+PREFETCH_FLOOR = -8.0  # down to where that chain's log-probability falls below this (MarkovScorer.likely_parents)
+WAVE = 8  # unknown distributions gathered per batched product
+
+
+class _ResumableBuild:
+    """The state of a best-first build over draft columns, resumable: nodes so far, the children rows of the nodes
+    that have them, and the heap of open children (the next untaken child of a node: -value, depth, counter, parent,
+    rank). ``grow`` pops best-first; ``fork`` copies the state for a look-ahead (rows are shared, never written).
+    ``need``: how many children a known row must hold to be used (min(budget, draft vocabulary)); a shorter one,
+    left by an earlier, smaller build of the round, counts as unknown, so it is computed again."""
+
+    def __init__(self, root_row, budget: int, max_depth: int, need: int) -> None:
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.depths: list[int] = []
+        self.scores: list[float] = []
+        self.kids = {ROOT: root_row}
+        self.heap = [(-float(root_row[0][0]), 1, 0, ROOT, 0)] if len(root_row[0]) and root_row[0][0] > -np.inf \
+            else []
+        self.counter, self.budget, self.max_depth, self.need = 1, budget, max_depth, need
+
+    def fork(self) -> _ResumableBuild:
+        other = object.__new__(_ResumableBuild)
+        other.__dict__.update(self.__dict__)
+        for name in ("tokens", "parents", "depths", "scores", "heap"):
+            setattr(other, name, list(getattr(self, name)))
+        other.kids = dict(self.kids)
+        return other
+
+    def grow(self, known: dict, wanted: list | None = None, wave: int = 0):
+        """Pop best-first until the budget is spent. Exact (``wanted`` None): stop BEFORE taking a node whose
+        children are not in ``known`` and return its key (depth, column). Look-ahead: take such a node as childless,
+        note its key in ``wanted`` and stop at the ``wave``-th."""
+        heap, kids, tokens, scores = self.heap, self.kids, self.tokens, self.scores
+        while heap and len(tokens) < self.budget:
+            neg, depth, _, parent, rank = heap[0]
+            log_probs, columns = kids[parent]
+            column = int(columns[rank])
+            row = None
+            if depth < self.max_depth and len(tokens) + 1 < self.budget:  # the node will want its children
+                row = known.get((depth + 1, column))
+                if row is None or len(row[0]) < self.need:
+                    row = None
+                    if wanted is None:
+                        return depth + 1, column
+                    wanted.append((depth + 1, column))
+                    if len(wanted) >= wave:
+                        return None
+            heapq.heappop(heap)
+            node = len(tokens)
+            tokens.append(column)
+            self.parents.append(parent)
+            self.depths.append(depth)
+            scores.append(-neg)
+            if rank + 1 < len(log_probs) and log_probs[rank + 1] > -np.inf:  # the next sibling
+                above = scores[parent] if parent != ROOT else 0.0
+                heapq.heappush(heap, (-(above + float(log_probs[rank + 1])), depth, self.counter, parent, rank + 1))
+                self.counter += 1
+            if row is not None:
+                kids[node] = row
+                if len(row[0]) and row[0][0] > -np.inf:  # the node's own best child
+                    heapq.heappush(heap, (neg - float(row[0][0]), depth + 1, self.counter, node, 0))
+                    self.counter += 1
+        return None
+
+
+def build_markov_tree(scorer, budget: int, root: int, token_map: torch.Tensor | None = None) -> DraftTree:
+    """The best ``budget``-node tree of a round's :class:`~dflash_core.model.MarkovScorer` (the loop's path).
+
+    The lazy best-first builder of the module docstring, with the head's products batched instead of one per node
+    (each product call has a fixed cost of a few rows; see :meth:`~dflash_core.model.MarkovScorer.fill`). The
+    build runs exactly until the next node to take needs children that are not known yet; from there a look-ahead
+    on a copy of the state takes unknown nodes as childless and notes the first ``WAVE`` of them (in pop order, so
+    the most valuable: the ones the exact build is about to want); all are computed in ONE batched product and the
+    exact build resumes. The look-ahead only chooses what to compute, never what is taken, so the tree is exactly
+    the lazy builder's (a node keeps all ``budget`` best children computed, not ``budget - size``: the extra ones
+    could only be taken after their better siblings, which alone would overrun the budget). From ``PREFETCH_BELOW``
+    nodes on, the first batch also holds the children of each depth's most likely token under the unconditioned
+    logits, down to where that chain's log-probability falls below ``PREFETCH_FLOOR``
+    (:meth:`~dflash_core.model.MarkovScorer.likely_parents`): the chain most trees grow along, so that most
+    distributions the tree needs come in the first batch. The builder works on draft columns (the head's keys) and
+    maps them to target ids once, at the end.
+
+    The scorer keeps every row it computed for the round; a row held with fewer than min(``budget``, draft
+    vocabulary) children (left by an earlier, smaller build of the same round) is computed again: it could cut a
+    node's children short."""
+    budget = int(budget)
+    if budget <= 0 or scorer.depth <= 0:
+        return DraftTree.empty()
+    first = (1, int(scorer.index(root)))
+    guess = scorer.likely_parents(PREFETCH_WIDTH, PREFETCH_FLOOR) if budget >= PREFETCH_BELOW and scorer.depth > 1 \
+        else []
+    need = min(budget, scorer.base.shape[1])
+    known = scorer.known
+    scorer.fill([key for key in [first] + guess if key not in known or len(known[key][0]) < need], budget)
+    build = _ResumableBuild(known[first], budget, scorer.depth, need)
+    while build.grow(known) is not None:
+        wanted: list[tuple[int, int]] = []  # the look-ahead's first pop is the node the exact build stopped at
+        build.fork().grow(known, wanted, WAVE)
+        scorer.fill(wanted, budget)  # unknown, or too short for this budget
+    columns = torch.tensor(build.tokens, dtype=torch.int64)
+    return DraftTree(columns if token_map is None else token_map.detach().cpu().to(torch.int64)[columns],
+                     torch.tensor(build.parents, dtype=torch.int64), torch.tensor(build.depths, dtype=torch.int64),
+                     torch.tensor(build.scores, dtype=torch.float64))
+
+
+def reference_conditioned_tree(logits: torch.Tensor, budget: int, bias: Callable[[int, int], object],
+                               root: int) -> dict[tuple[int, ...], float]:
+    """Brute force for tiny cases: every token sequence of every depth scored under the conditioned model, the
+    ``budget`` best kept (ties by depth). Returns {path (token ids from depth 1): path log-probability}."""
+    base = logits.detach().double().cpu().numpy()
+    paths: dict[tuple[int, ...], float] = {}
+    frontier = {(): (0.0, root)}
+    for depth in range(1, base.shape[0] + 1):
+        grown = {}
+        for path, (value, last) in frontier.items():
+            b = bias(depth, last)
+            b = b.detach().double().cpu().numpy() if isinstance(b, torch.Tensor) else np.asarray(b, dtype=np.float64)
+            row = _log_softmax_np(base[depth - 1] + b)
+            for token in range(row.shape[0]):
+                grown[path + (token,)] = (value + float(row[token]), token)
+        paths.update({p: v for p, (v, _) in grown.items()})
+        frontier = grown
+    best = sorted(paths.items(), key=lambda kv: (-kv[1], len(kv[0])))[:budget]
+    return dict(best)

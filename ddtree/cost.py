@@ -38,13 +38,11 @@ import torch
 
 from dflash_core import decoding
 from dflash_core.cpu_kernels import active_kernels
-from dflash_core.model import DraftCache
 from dflash_core.target import TargetAdapter
 from dflash_core.timing import cache_path, cached_json, machine_key, median_seconds, read_cached_json
 from dflash_core.tree import DraftTree
 
-from .build import build_tree
-from .candidates import cap_tree
+from .build import best_tree, build_tree
 
 __all__ = ["CostModel", "OnlineCost", "across_contexts", "calibrate", "context_bucket", "cost_key", "curve_error",
            "default_cap", "default_grid", "isotonic", "measure_cost_model"]
@@ -54,8 +52,8 @@ log = logging.getLogger("ddtree")
 
 def default_cap(device: torch.device, batch: int = 1) -> int:
     """The largest tree ``auto`` builds per round: 1024 nodes on CUDA, 128 on a CPU; 24 per sequence on a CPU in a
-    batch of ``batch`` > 1 sequences (measured on a 2-core Xeon, bf16: at batch 2, 4 and 8 a cap of 24 brought the
-    shared ``auto`` from 0.90-0.97 to 0.97-0.99 of the best fixed budget; docs/results.md)."""
+    batch of ``batch`` > 1 sequences (in a batch every tree is padded to the largest, so a CPU's batch round grows
+    steeply with the cap; the cap was chosen against others side by side, docs/results.md)."""
     if torch.device(device).type == "cuda":
         return 1024
     return 128 if batch == 1 else 24
@@ -198,7 +196,7 @@ def cost_key(target, draft, device: torch.device, dtype: torch.dtype, chain: boo
         "draft": [draft.config.num_hidden_layers, draft.config.block_size,
                   draft.config.draft_vocab_size] if draft is not None else None,
         "kernels": active_kernels(target), "proposal": "chain" if chain else "tree",
-        "measured": "interleaved-min-2",  # how: curves measured by an older rule are measured again
+        "measured": "live-models-1",  # how: curves measured by an older rule are measured again
     })
 
 
@@ -216,7 +214,7 @@ def measure_cost_model(target, draft, grid: Sequence[int] | None = None, context
     ``verify_s(N)``: compiling root + N nodes (ids, positions, ancestor mask), the target forward over them with the
     drafter's taps, the walk, compacting the cache to an accepted path and gathering the next context features.
     ``fixed_s``: the drafter pass with its LM head and the best-first tree at ``cap`` nodes, the size ``auto`` really
-    builds (:func:`ddtree.candidates.cap_tree`, the same function the policy calls). ``chain=True``: the N nodes are a
+    builds (:func:`ddtree.build.best_tree`, the same function the policy calls). ``chain=True``: the N nodes are a
     chain, verified without a mask, and the policy is ``chain-auto``'s. ``grid``: the sizes N (default
     :func:`default_grid`).
 
@@ -226,7 +224,7 @@ def measure_cost_model(target, draft, grid: Sequence[int] | None = None, context
     A measurement is logged; its seconds are in the result's ``measured_s``.
 
     ``batch`` > 1: the round of a batch of that many sequences, each with its own N-node tree on its own
-    ``context``-token cache (:class:`~dflash_core.batch.BatchTarget`: one drafter pass, one verify forward), priced
+    ``context``-token cache (one drafter pass, one verify forward), priced
     per sequence: the batch round's seconds divided by ``batch``, so one sequence's ``auto`` weighs its nodes against
     its share of the round. One curve per batch size: the cost surface (tokens per sequence x batch size).
     """
@@ -250,11 +248,7 @@ def measure_cost_model(target, draft, grid: Sequence[int] | None = None, context
     def measure() -> CostModel:
         t0 = time.perf_counter()
         gen = torch.Generator().manual_seed(0)
-        if batch > 1:
-            verify, fixed = _batch_seconds(adapter, draft, grid, context, repeats, cap, chain, gen, batch)
-        else:
-            verify = _verify_seconds(adapter, draft, grid, context, repeats, chain, gen)
-            fixed = _fixed_seconds(adapter, draft, context, repeats, cap, chain, gen) if draft is not None else 0.0
+        verify, fixed = _round_seconds(adapter, draft, grid, context, repeats, cap, chain, gen, batch)
         seconds = time.perf_counter() - t0
         log.info("measured the round cost curve (%s, %d context tokens, cap %d) in %.2f s",
                  "chains" if chain else "trees", context, cap, seconds)
@@ -284,98 +278,53 @@ def _round_proposal(n: int, rows: int, vocab: int, chain: bool, gen: torch.Gener
     return tree, accepted
 
 
-def _verify_seconds(adapter: TargetAdapter, draft, grid: tuple[int, ...], context: int, repeats: int, chain: bool,
-                    gen: torch.Generator) -> tuple[float, ...]:
-    """Seconds of the loop's verify and commit steps for each size in ``grid`` on a ``context``-token cache: the
-    smaller of two medians taken in two passes over the grid. Other processes only ever slow a step down, and a
-    burst of their work now lands in one pass of a size, not in every repeat of it."""
-    vocab = adapter.vocab_size
-    cache = adapter.new_cache()
-    adapter.forward(torch.randint(0, vocab, (context,), generator=gen), torch.arange(context), cache)
-    runs = []
-    for n in grid:
-        proposal, accepted = _round_proposal(n, _rows(draft), vocab, chain, gen)
-        root = int(torch.randint(0, vocab, (1,), generator=gen))
-
-        def run(proposal=proposal, accepted=accepted, root=root):  # the loop's verify and commit, then back
-            out = decoding.verify_proposal(adapter, cache, proposal, root, context, with_features=draft is not None)
-            decoding.verify_walk(proposal, out.logits, 0.0, None)
-            decoding.commit_path(adapter, cache, context, accepted, out.features)
-            adapter.crop(cache, context)
-
-        runs.append(run)
-    first = [median_seconds(run, repeats, adapter.device, warmup=1) for run in runs]  # warm-up: each shape once
-    second = [median_seconds(run, repeats, adapter.device, warmup=0) for run in runs]
-    return tuple(min(a, b) for a, b in zip(first, second))
-
-
-def _fixed_seconds(adapter: TargetAdapter, draft, context: int, repeats: int, cap: int, chain: bool,
-                   gen: torch.Generator) -> float:
-    """Median seconds of the loop's draft step plus the tree ``auto`` builds at the cap (:func:`cap_tree`; its choice
-    of a prefix, numpy over the cap's nodes, is microseconds and not timed)."""
-    vocab = adapter.vocab_size
-    feats = adapter.forward(torch.randint(0, vocab, (context,), generator=gen), torch.arange(context),
-                            adapter.new_cache()).features  # [context, taps * hidden]
-    new = min(4, context - 1)  # a steady round: a few newly committed tokens join the drafter's cache
-    draft_cache = DraftCache()
-    decoding.draft_states(draft, adapter, 0, feats[: context - new], context - new, draft_cache)  # the context before
-    root = int(torch.randint(0, vocab, (1,), generator=gen))
-
-    def draft_round():  # the loop's draft step and the policy's proposal
-        block = decoding.draft_round(draft, adapter, root, feats[context - new:], context, draft_cache)
-        cap_tree(block, cap, chain, [root])  # the tree auto chooses its prefix of (the loop's history ends at the root)
-        draft_cache.crop(context - new)
-
-    return median_seconds(draft_round, repeats, adapter.device, warmup=1)
-
-
-def _batch_seconds(adapter: TargetAdapter, draft, grid: tuple[int, ...], context: int, repeats: int, cap: int,
+def _round_seconds(adapter: TargetAdapter, draft, grid: tuple[int, ...], context: int, repeats: int, cap: int,
                    chain: bool, gen: torch.Generator, batch: int) -> tuple[tuple[float, ...], float]:
-    """(verify seconds per grid size, fixed seconds), per sequence, of a batch round of ``batch`` sequences: the
-    batch loop's verify and commit steps with every sequence's tree of N nodes, and its drafter pass for all plus
-    one cap tree per sequence; each the median of ``repeats`` divided by ``batch``."""
-    from dflash_core.batch import BatchTarget, prefill_batch
-
+    """(verify seconds per grid size, fixed seconds), per sequence, of the loop's round for ``batch`` sequences on
+    ``context``-token caches (:class:`~dflash_core.decoding.LiveModels`, as the loop runs it; one sequence is a
+    batch of one): its verify forward with every sequence's N-node tree, the walks and the commit of an accepted
+    path that is not a prefix (so the commit really gathers); and its drafter pass for all plus one cap tree per
+    sequence. Verify seconds are the smaller of two medians taken in two passes over the grid (other processes only
+    ever slow a step down, and a burst of their work then lands in one pass, not in every repeat); each is divided
+    by ``batch``."""
     vocab, new = adapter.vocab_size, min(4, context - 1)
     prompts = [torch.randint(0, vocab, (1, context), generator=gen) for _ in range(batch)]
-    cache, _, features = prefill_batch(adapter, prompts, draft is not None)
-    side = BatchTarget(adapter, draft, cache, [context] * batch, features)
+    models, _ = decoding.LiveModels.prefilled(adapter, draft, prompts, draft is not None)
+    features = [models.unread[s] for s in range(batch)]
     seqs, roots = list(range(batch)), [int(t) for t in torch.randint(0, vocab, (batch,), generator=gen)]
 
     def rewind():  # every sequence back to its context, the drafter holding all but the last ``new`` tokens
-        adapter.crop(cache, context)
-        side.lengths, side.width = [context] * batch, context
+        models.rewind([context] * batch)
         for s in seqs:
-            side.pending[s] = None if features[s] is None else features[s][context - new:]
-            side.draft_caches[s].crop(context - new)
+            models.unread[s] = None if features[s] is None else features[s][context - new:]
+            models.draft_caches[s].crop(context - new)
 
     if draft is not None:
         for s in seqs:
-            side.pending[s] = features[s][: context - new]
-        side.lengths = [context - new] * batch  # the drafter's cache first takes the context before the round
-        side.draft(seqs, roots)
+            models.unread[s] = features[s][: context - new]
+        models.lengths = [context - new] * batch  # the drafter's cache first takes the context before the round
+        models.draft(seqs, roots)
         rewind()
     runs = []
     for n in grid:
-        proposal, accepted = _round_proposal(n, _rows(draft), vocab, chain, gen)
+        tree, accepted = _round_proposal(n, _rows(draft), vocab, chain, gen)
 
-        def run(proposal=proposal, accepted=accepted):  # the batch loop's verify, walks and commit, then back
-            logits = side.verify(seqs, [proposal] * batch, roots)
-            for rows in logits:
-                decoding.verify_walk(proposal, rows, 0.0, None)
-            side.commit(seqs, [accepted] * batch, [[0]] * batch, [True] * batch)
+        def run(tree=tree, accepted=accepted):  # the loop's verify, walks and commit, then back
+            for rows in models.verify(seqs, [tree] * batch, roots):
+                decoding.verify_walk(tree, rows, 0.0, None)
+            models.commit(seqs, [accepted] * batch, [[0]] * batch, [True] * batch)
             rewind()
 
         runs.append(run)
-    first = [median_seconds(run, repeats, adapter.device, warmup=1) for run in runs]
+    first = [median_seconds(run, repeats, adapter.device, warmup=1) for run in runs]  # warm-up: each shape once
     second = [median_seconds(run, repeats, adapter.device, warmup=0) for run in runs]
     verify = tuple(min(a, b) / batch for a, b in zip(first, second))
     if draft is None:
         return verify, 0.0
 
-    def draft_round():  # the batch's drafter pass and every sequence's cap tree
-        for block, root in zip(side.draft(seqs, roots), roots):
-            cap_tree(block, cap, chain, [root])
+    def draft_round():  # the drafter pass and every sequence's tree at the cap (the tree auto chooses a prefix of)
+        for block, root in zip(models.draft(seqs, roots), roots):
+            best_tree(block, cap, chain)
         rewind()
 
     return verify, median_seconds(draft_round, repeats, adapter.device, warmup=1) / batch
@@ -390,8 +339,8 @@ def calibrate(target, draft, contexts: Iterable[int] | None = None, cap: int | N
     (``max_context``, default ``config.max_position_embeddings``). A bucket is measured when it fits the limit with
     the largest tree on top; the others (and any a later prompt needs) are derived from the measured ones by
     :func:`across_contexts` when ``auto`` asks for them. ``cap`` and ``chain`` as for :func:`measure_cost_model`
-    (default cap: the one ``auto`` uses). (Calibrates cost curves; ``AutoBudget(calibrate=...)`` is another matter:
-    the drafter's acceptance probabilities.)"""
+    (default cap: the one ``auto`` uses). (Calibrates cost curves, not the drafter's acceptance probabilities,
+    which ``auto`` learns from its rounds.)"""
     device = target.lm_head.weight.device
     cap = default_cap(device) if cap is None else cap
     largest = max(default_grid(device, _rows(draft), chain))

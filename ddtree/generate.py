@@ -27,21 +27,16 @@ from typing import Sequence
 
 import torch
 
-from dflash_core import Chain, GenerationResult, speculative_generate
-from dflash_core.batch import as_prompts, is_batch, policies_for
-from dflash_core.decoding import validate_request
-from dflash_core.policy import BlockPolicy, DraftBlock, as_block
-from dflash_core.target import check_tree_attention
+from dflash_core.decoding import GenerationResult, Request, decode, policies_for
+from dflash_core.tree import BlockPolicy, Chain, DraftBlock, DraftTree
 
-from .batch_budget import SharedBudget
-from .budget import AutoBudget
-from .build import build_tree
-from .conditioned import build_markov_tree
+from .budget import AutoBudget, RoundMemory, SharedBudget
+from .build import best_tree
 from .lookup import LookupTreePolicy
 from .sampled import SampledTreePolicy
-from dflash_core.tree import DraftTree
 
-__all__ = ["BATCH_BUDGETS", "BUDGET_WORDS", "FixedBudget", "TREE_KINDS", "check_verifiable", "ddtree_generate", "make_policy",
+__all__ = ["BATCH_BUDGETS", "BUDGET_WORDS", "FixedBudget", "TREE_KINDS", "check_verifiable", "ddtree_generate",
+           "make_policy",
            "parse_budget"]
 
 TREE_KINDS = ("topk", "sampled")
@@ -60,9 +55,8 @@ def parse_budget(budget) -> int | str:
 
 
 class FixedBudget(BlockPolicy):
-    """The best tree of at most ``budget`` nodes under the drafter's distribution, every round: the factorized one
-    (:func:`build_tree`), or for a drafter with a Markov head the conditioned one, each node's children drawn from
-    the distribution given that node's own token (:func:`ddtree.conditioned.build_markov_tree`)."""
+    """The best tree of at most ``budget`` nodes under the drafter's distribution, every round
+    (:func:`ddtree.build.best_tree`: conditioned on each node's own token for a drafter with a Markov head)."""
 
     uses_draft = True
 
@@ -72,38 +66,39 @@ class FixedBudget(BlockPolicy):
             raise ValueError(f"FixedBudget needs an int budget >= 0, got {budget!r}")
         self.name = f"fixed-{budget}"
 
-    def propose(self, block: DraftBlock, history: list[int], token_map: torch.Tensor | None = None) -> DraftTree:
-        block = as_block(block, history, token_map)  # logits from a wrapper written to the older contract
-        if block.scorer is not None:
-            return build_markov_tree(block.scorer, self.budget, block.root, block.token_map)
-        return build_tree(block.logits, self.budget, token_map=block.token_map)
+    def propose(self, block: DraftBlock, history: list[int]) -> DraftTree:
+        return best_tree(block, self.budget)
 
 
 def make_policy(budget, target=None, draft=None, tree: str = "topk", temperature: float = 0.0, seed: int = 0,
-                **auto_options):
-    """Turn ``budget`` and ``tree`` arguments into a proposal policy for the decode loop.
+                lookup: bool = False, **auto_options):
+    """Turn ``ddtree_generate``'s ``budget``, ``tree`` and ``lookup`` arguments into the policy of one sequence.
 
     ``tree="sampled"`` needs an int budget; at ``temperature`` 0 it gives the top-K tree (nothing to sample). The
-    sampled tree draws from the drafter at the decoding temperature with a generator seeded by ``seed``. A drafter
-    with a reduced vocabulary exposes its target ids (``draft_vocab``, [V'] draft index -> target id);
-    they map the draft logits' columns when the loop hands over logits over those V' ids only (logits over the full
-    target vocabulary, -inf outside the subset, need no map: those tokens get q = 0).
+    sampled tree draws from the drafter at the decoding temperature with a generator seeded by ``seed``.
+    ``lookup=True`` (an int budget or ``"auto"``, top-K trees) merges the context's continuation into each tree
+    (:class:`~ddtree.lookup.LookupTreePolicy`, timing its rounds to skip the drafter where the continuation alone
+    pays more). ``auto_options`` go to :meth:`AutoBudget.for_models` for ``"auto"`` and ``"chain-auto"``, e.g.
+    ``context`` (the prompt length), ``memory`` (a :class:`~ddtree.budget.RoundMemory` that carries what ``auto``
+    learnt over to this call; default: start fresh), ``online=False`` (read no clock).
     """
     budget = parse_budget(budget)
     if tree not in TREE_KINDS:
         raise ValueError(f"unknown tree kind {tree!r}: use one of {TREE_KINDS}")
+    if lookup and (budget in ("chain", "chain-auto") or tree != "topk"):
+        raise ValueError("lookup=True merges the context's continuation into top-K trees: pass an int budget or "
+                         "'auto', and tree='topk'")
     if tree == "sampled":
         if isinstance(budget, str):
             raise ValueError(f"tree='sampled' needs an int budget >= 0, got {budget!r}")
         if temperature > 0:
-            token_map = getattr(draft, "draft_vocab", None)
-            return SampledTreePolicy(budget, temperature, seed=seed, token_map=token_map)
+            return SampledTreePolicy(budget, temperature, seed=seed)
     if budget == "chain":
         return Chain()
     if budget in ("auto", "chain-auto"):
-        return AutoBudget.for_models(target, draft, chain=budget == "chain-auto", temperature=temperature,
-                                     **auto_options)
-    return FixedBudget(budget)
+        policy = AutoBudget.for_models(target, draft, chain=budget == "chain-auto", **auto_options)
+        return LookupTreePolicy(policy, clock=time.perf_counter) if lookup else policy
+    return LookupTreePolicy(budget, clock=time.perf_counter) if lookup else FixedBudget(budget)
 
 
 def _memory_bytes(device: torch.device) -> int:
@@ -150,51 +145,15 @@ def check_verifiable(target, draft, budget: int, max_context: int) -> None:
 
 
 def _policy_for(target, draft, budget, tree: str, lookup: bool, temperature: float, seed: int, context: int,
-                batch: int = 1):
+                batch: int = 1, memory=None):
     """The policy of one sequence from ``ddtree_generate``'s arguments (checked by the caller); in a batch of
-    ``batch`` sequences ``auto`` prices its rounds with that batch size's cost curve."""
-    if lookup and (budget in ("chain", "chain-auto") or tree != "topk"):
-        raise ValueError("lookup=True merges the context's continuation into top-K trees: pass an int budget or "
-                         "'auto', and tree='topk'")
-    policy = make_policy(budget, target, draft, tree=tree, temperature=temperature, seed=seed,
-                         **({"context": context, "batch": batch} if budget in ("auto", "chain-auto") else {}))
-    if lookup:  # timed rounds: it may skip the drafter where the continuation alone pays more
-        policy = LookupTreePolicy(policy if budget == "auto" else budget, clock=time.perf_counter)
-    return policy
+    ``batch`` sequences ``auto`` prices its rounds with that batch size's cost curve. ``memory``: ``auto``'s
+    :class:`~ddtree.budget.RoundMemory` (None: a fresh one; the sequences of one batch should share one)."""
+    auto = {"context": context, "batch": batch, "memory": memory} if budget in ("auto", "chain-auto") else {}
+    return make_policy(budget, target, draft, tree=tree, temperature=temperature, seed=seed, lookup=lookup, **auto)
 
 
-BATCH_BUDGETS = ("shared", "per-sequence")  # how ``auto`` sizes the trees of a batch (ddtree.batch_budget)
-
-
-def _generate_batch(target, draft, prompts, budget, max_new_tokens, temperature, stop_token_ids, seed, block_size,
-                    trace, policy, tree, lookup, check_trees, batch_budget) -> list[GenerationResult]:
-    """:func:`ddtree_generate` for a batch of prompts: the same checks, one policy per sequence (seeded seed + b)."""
-    for b, p in enumerate(prompts):
-        try:
-            validate_request(p, max_new_tokens, temperature)
-        except ValueError as error:
-            raise ValueError(f"prompt {b} of the batch: {error}") from None
-    longest = max(int(p.shape[1]) for p in prompts)
-    if policy is not None and (budget is not None or tree != "topk" or lookup):
-        raise ValueError("policy= decides the trees itself: pass either policy= or budget=/tree=/lookup=, not both")
-    if policy is None:
-        budget = parse_budget(32 if budget is None else budget)
-        check_verifiable(target, draft, budget, longest + max_new_tokens)
-        # ``auto``: every sequence prices its rounds with the batch's curve at the longest prompt (one measurement)
-        policies = [_policy_for(target, draft, budget, tree, lookup, temperature, seed + b, longest, len(prompts))
-                    for b in range(len(prompts))]
-    else:
-        policies = policies_for(policy, len(prompts))
-    shared = batch_budget == "shared" and len(prompts) > 1 and all(isinstance(p, AutoBudget) for p in policies)
-    results = speculative_generate(target, draft, prompts, policies, max_new_tokens, temperature, stop_token_ids,
-                                   seed, block_size=block_size, trace=trace, check_trees=check_trees,
-                                   proposer=SharedBudget(policies) if shared else None)
-    for r, pol in zip(results, policies):
-        if getattr(pol, "calibration_s", 0.0):
-            r.timings["calibration"] = pol.calibration_s
-        if lookup:
-            r.lookup_tokens = pol.lookup_committed
-    return results
+BATCH_BUDGETS = ("shared", "per-sequence")  # how ``auto`` sizes the trees of a batch (ddtree.budget.SharedBudget)
 
 
 def ddtree_generate(
@@ -214,58 +173,61 @@ def ddtree_generate(
     check_trees: bool = False,
     attention_mask: torch.Tensor | None = None,
     batch_budget: str = "shared",
+    memory: RoundMemory | None = None,
 ) -> GenerationResult | list[GenerationResult]:
     """Speculative decoding with a DDTree draft tree per round; the output is exactly the target's.
 
-    ``tree``: ``"topk"`` (default, deterministic best-first tree) or ``"sampled"`` (sampled children verified by
-    recursive rejection sampling; an int budget; at T = 0 the top-K tree and greedy walk). ``result.tree_sizes`` /
-    ``result.expected_acceptance`` / ``result.acceptance_lengths`` give per-round tree size, the drafter's expected
-    and the actual committed tokens; ``trace=True`` keeps every round's tree in ``result.trees``. ``policy``
-    overrides ``budget`` and ``tree`` with any object implementing dflash_core's ProposalPolicy. ``budget="auto"``
-    (and ``"chain-auto"``) prices trees with this machine's round-cost curve at the prompt's length (cached per
-    machine and model; :func:`ddtree.cost.calibrate` measures every context bucket up front); a call that had to
-    measure says so in ``result.timings["calibration"]`` (seconds) and one log line.
-    Trees need a target whose attention backend applies a 4D mask (SDPA, eager, flex): anything else raises
-    ``IncompatibleModelError``; ``budget="chain"`` and ``"chain-auto"`` run on any backend.
+    ``budget``: an int (a fixed node budget, 32 when omitted), ``"chain"`` (DFlash), ``"auto"`` or ``"chain-auto"``
+    (a tree size / chain length per round, priced with this machine's round-cost curve at the prompt's length, cached
+    per machine and model; :func:`ddtree.cost.calibrate` measures every context bucket up front; a call that had to
+    measure says so in ``result.timings["calibration"]``). ``tree``: ``"topk"`` (default, deterministic best-first
+    tree) or ``"sampled"`` (sampled children verified by recursive rejection sampling; an int budget; at T = 0 the
+    top-K tree). ``lookup=True`` (an int budget or ``"auto"``, top-K trees) merges the context's n-gram continuation
+    into each round's tree under the same budget (:mod:`ddtree.lookup`; ``result.lookup_tokens`` gives per round the
+    committed tokens that lay on it). ``policy``: any :class:`~dflash_core.tree.BlockPolicy` instead of
+    ``budget``/``tree``/``lookup`` (passing both is refused). ``check_trees=True`` validates every proposed tree.
 
-    ``budget`` defaults to 32 nodes; ``policy`` replaces ``budget``/``tree``/``lookup`` (passing both is refused).
-    ``check_trees=True`` validates every proposed tree before it is verified (for developing a policy).
-
-    ``lookup=True`` (an int budget or ``"auto"``, top-K trees) merges the context's n-gram continuation into each
-    round's tree under the same budget (:mod:`ddtree.lookup`); ``result.lookup_tokens`` then gives per round the
-    committed tokens that lay on that continuation.
+    ``result.tree_sizes`` / ``result.expected_acceptance`` / ``result.acceptance_lengths`` give per round the tree
+    size, the drafter's expected and the actual committed tokens; ``trace=True`` keeps every tree in
+    ``result.trees``. Trees need a target whose attention backend applies a 4D mask (SDPA, eager, flex): anything
+    else raises ``IncompatibleModelError``; ``budget="chain"`` and ``"chain-auto"`` on one prompt run on any backend.
 
     A batch: ``input_ids`` a list of prompts ([T] or [1, T], any lengths) or padded [B, T] ids with an
-    ``attention_mask``; returns one result per prompt. Each sequence has its own policy (its own ``auto`` state and
-    lookup history; ``policy=`` is copied per sequence) and a generator seeded ``seed + b``; all trees of a round are
-    verified in one target forward (:mod:`dflash_core.batch`). ``batch_budget`` (``budget="auto"`` in a batch):
-    ``"shared"`` (default) picks one tree size per round for the whole batch, ``"per-sequence"`` lets each
-    sequence's ``auto`` pick its own (:mod:`ddtree.batch_budget`).
+    ``attention_mask``; returns one result per prompt. Each sequence has its own policy (``policy=`` is copied per
+    sequence) and a generator seeded ``seed + b``; all trees of a round are verified in one target forward.
+    ``batch_budget`` (``budget="auto"`` in a batch): ``"shared"`` (default) picks one tree size per round for the
+    whole batch, ``"per-sequence"`` lets each sequence's ``auto`` pick its own.
+
+    ``memory`` (``"auto"`` / ``"chain-auto"``): what ``auto`` learnt from earlier rounds (the drafter's calibration
+    against what the target accepted, online corrections of the cost curve), a :class:`~ddtree.budget.RoundMemory`
+    the caller holds and passes to later calls to carry it over; None starts fresh from the cost curve cached on
+    disk, the same every time. The sequences of one call share it.
     """
     if batch_budget not in BATCH_BUDGETS:
         raise ValueError(f"batch_budget must be one of {BATCH_BUDGETS}, got {batch_budget!r}")
-    if is_batch(input_ids, attention_mask):
-        return _generate_batch(target, draft, as_prompts(input_ids, attention_mask), budget, max_new_tokens,
-                               temperature, stop_token_ids, seed, block_size, trace, policy, tree, lookup, check_trees,
-                               batch_budget)
-    validate_request(input_ids, max_new_tokens, temperature)  # before any work (``auto`` measures a cost curve)
-    if policy is not None and (budget is not None or tree != "topk" or lookup):
-        raise ValueError("policy= decides the trees itself: pass either policy= or budget=/tree=/lookup=, not both")
-    budget = parse_budget(32 if budget is None else budget) if policy is None else None
-    if policy is None:
-        check_verifiable(target, draft, budget, int(input_ids.shape[1]) + max_new_tokens)
-    chain = isinstance(policy, Chain) or getattr(policy, "chain", False) is True
-    if not chain and (policy is not None or budget not in ("chain", "chain-auto")):
-        check_tree_attention(target)  # before any work: a tree needs a backend that applies the 4D mask
-    if lookup and (budget in ("chain", "chain-auto") or tree != "topk"):
-        raise ValueError("lookup=True merges the context's continuation into top-K trees: pass an int budget or "
-                         "'auto', and tree='topk'")
-    if policy is None:
-        policy = _policy_for(target, draft, budget, tree, lookup, temperature, seed, int(input_ids.shape[-1]))
-    result = speculative_generate(target, draft, input_ids, policy, max_new_tokens, temperature, stop_token_ids, seed,
-                                  block_size=block_size, trace=trace, check_trees=check_trees)
-    if getattr(policy, "calibration_s", 0.0):  # ``auto`` measured its cost curve inside this call
-        result.timings["calibration"] = policy.calibration_s
-    if lookup:
-        result.lookup_tokens = policy.lookup_committed
-    return result
+    request = Request.check(input_ids, max_new_tokens, temperature, stop_token_ids, seed, attention_mask)
+    count = len(request.prompts)
+    if policy is not None:
+        if budget is not None or tree != "topk" or lookup or memory is not None:
+            raise ValueError("policy= decides the trees itself: pass either policy= or budget=/tree=/lookup=/memory=, "
+                             "not both")
+        policies = policies_for(policy, count)
+    else:
+        budget = parse_budget(32 if budget is None else budget)
+        check_verifiable(target, draft, budget, request.longest + max_new_tokens)
+        if memory is not None and budget not in ("auto", "chain-auto"):
+            raise ValueError(f"memory= is what budget='auto' learns; budget={budget!r} keeps none")
+        if memory is None and budget in ("auto", "chain-auto"):
+            memory = RoundMemory()
+        # ``auto``: every sequence prices its rounds with the batch's curve at the longest prompt (one measurement)
+        policies = [_policy_for(target, draft, budget, tree, lookup, temperature, seed + b, request.longest, count,
+                                memory) for b in range(count)]
+    shared = batch_budget == "shared" and count > 1 and all(isinstance(p, AutoBudget) for p in policies)
+    results = decode(target, draft, request, policies, block_size, trace, check_trees,
+                     SharedBudget(policies) if shared else None)
+    for r, pol in zip(results, policies):
+        if getattr(pol, "calibration_s", 0.0):  # ``auto`` measured its cost curve inside this call
+            r.timings["calibration"] = pol.calibration_s
+        if lookup:
+            r.lookup_tokens = pol.lookup_committed
+    return results[0] if request.single else results

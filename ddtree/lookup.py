@@ -31,12 +31,10 @@ import numpy as np
 import torch
 
 from dflash_core.prompt_lookup import NgramIndex
-from dflash_core.policy import BlockPolicy, DraftBlock, as_block
-from dflash_core.tree import ROOT, DraftTree
+from dflash_core.tree import ROOT, BlockPolicy, DraftBlock, DraftTree
 
-from .budget import AutoBudget, truncate_tree
-from .build import build_tree
-from .conditioned import build_markov_tree
+from .budget import AutoBudget
+from .build import best_tree
 
 __all__ = ["LookupTreePolicy", "merge_lookup"]
 
@@ -79,7 +77,8 @@ class LookupTreePolicy(BlockPolicy):
     """Proposal policy: the DDTree with the context's continuation merged in (module docstring), under a fixed node
     ``budget`` (an int) or sized per round by an :class:`~ddtree.budget.AutoBudget` (``budget=AutoBudget(...)``):
     ``auto`` then ranks its calibrated drafter nodes and the lookup nodes together and chooses how many of the
-    merged best-first list to verify with its cost curve; it learns its calibration from the drafter's nodes only.
+    merged best-first list to verify with its cost curve; it learns its calibration from the drafter's nodes only
+    (so its memory belongs to lookup rounds: do not share it with a plain ``auto``).
 
     ``lookup_committed``: per round, how many committed tokens were lookup nodes.
 
@@ -102,8 +101,6 @@ class LookupTreePolicy(BlockPolicy):
         self.auto = budget if isinstance(budget, AutoBudget) else None
         if self.auto is not None and self.auto.chain:
             raise ValueError("lookup branches join trees: use budget='auto', not 'chain-auto'")
-        if self.auto is not None:  # its rounds are merged trees: a memory apart from plain auto's
-            self.auto.share_as(("lookup", max_ngram, num_tokens))
         self.budget = self.auto.cap if self.auto is not None else int(budget)
         self.max_ngram, self.num_tokens = max_ngram, num_tokens
         self.name = "lookup-auto" if self.auto is not None else f"lookup-tree-{budget}"
@@ -158,12 +155,9 @@ class LookupTreePolicy(BlockPolicy):
             out.append(a)
         return out
 
-    def propose(self, block: DraftBlock | None, history: list[int], token_map: torch.Tensor | None = None
-                ) -> DraftTree:
+    def propose(self, block: DraftBlock | None, history: list[int]) -> DraftTree:
         """The round's tree: the drafter's (conditioned when it has a Markov head) with the continuation merged in;
-        ``block`` None (the drafter skipped): the continuation alone. Logits with their ``token_map`` (the older
-        contract) are taken too."""
-        block = as_block(block, history, token_map)
+        ``block`` None (the drafter skipped): the continuation alone."""
         n, continuation, estimates = self._lookup if self._lookup is not None else self._match(history)
         self._lookup = None
         self.skipped.append(block is None)
@@ -175,8 +169,7 @@ class LookupTreePolicy(BlockPolicy):
                              torch.arange(1, m + 1), torch.tensor(log_p, dtype=torch.float64))
         if self.auto is not None:
             return self._propose_auto(block, history, n, continuation, estimates)
-        tree = (build_markov_tree(block.scorer, self.budget, block.root, block.token_map) if block.scorer is not None
-                else build_tree(block.logits, self.budget, token_map=block.token_map))
+        tree = best_tree(block, self.budget)
         if not estimates or self.budget == 0:
             self._round = None
             return tree
@@ -187,31 +180,27 @@ class LookupTreePolicy(BlockPolicy):
     def _propose_auto(self, block, history, n, continuation, estimates) -> DraftTree:
         auto = self.auto
         now = auto.start_round(history)
-        for build in auto.build_sizes():  # the last one is the cap, where a choice always comes
-            full, probs, beyond = auto.candidates(block, history, build)
-            merged, placed, origin = merge_lookup(full, continuation, estimates, auto.cap, values=probs)
-            values = np.exp(merged.log_probs.numpy())
-            # merged values above every left-out drafter node's are the complete merge's, in the same places
-            size = auto.choose(values, beyond, None if beyond is None else int((values > beyond).sum()))
-            if size is not None:
-                break
-        # the drafter's nodes among those verified: those its build holds (a lookup node that the cap's tree would
-        # hold too, deep down, counts as the lookup's when a smaller build settled the size)
+        drafted, probs = auto.drafter_tree(block, auto.next_build_size())
+        merged, placed, origin = merge_lookup(drafted, continuation, estimates, auto.cap, values=probs)
+        size = auto.choose(np.exp(merged.log_probs.numpy()))
+        # the drafter's nodes among those verified (a lookup node that a larger build would hold too, deep down,
+        # counts as the lookup's)
         kept = [o for o in origin[:size] if o >= 0]
         self._drafter_nodes = {i: j for j, i in enumerate(i for i in range(size) if origin[i] >= 0)}
-        auto.remember(full.log_probs.double().numpy()[kept], full.depths.numpy()[kept], size, now, len(history))
+        auto.hold_proposal(drafted.log_probs.double().numpy()[kept], drafted.depths.numpy()[kept], size, now,
+                           len(history))
         leading = 0
         while leading < len(placed) and placed[leading] < size:  # the continuation's nodes that stay (a prefix)
             leading += 1
         self._round = (n, placed[:leading]) if leading else None
-        return truncate_tree(merged, size)
+        return merged.prefix(size)
 
     def observe(self, path: list[int]) -> None:
         """Learn from the walk: how deep along the continuation's nodes the accepted path went (and, under
         ``auto``, which of the drafter's nodes were accepted)."""
         if self.auto is not None and not self.skipped[-1]:  # auto learns from the rounds it sized
             mine = [self._drafter_nodes[i] for i in path if i in self._drafter_nodes]
-            self.auto.record(len(path), mine)
+            self.auto.store_round(len(path), mine)
         if self._round is None:
             self.lookup_committed.append(0)
             return

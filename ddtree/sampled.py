@@ -18,9 +18,10 @@ Three pieces, one idea each:
 
 Draft vocabularies: a drafter may score only a subset of V' target tokens. Handed logits over the whole target
 vocabulary with -inf outside the subset, the sampled tree needs nothing more (those tokens get q = 0). Handed logits
-over the V' subset columns, it needs ``token_map`` ([V'] draft index -> target token id, a drafter's ``draft_vocab``): the
-tree then stores target token ids, and the proposal rows stay over draft indices until verification spreads them over
-the target vocabulary. Either way tokens outside the subset have q = 0 and reach the output through the residual.
+over the V' subset columns, the block's ``token_map`` ([V'] draft index -> target token id, a drafter's
+``draft_vocab``) maps them: the tree then stores target token ids, and the proposal rows stay over draft indices
+until verification spreads them over the target vocabulary. Either way tokens outside the subset have q = 0 and
+reach the output through the residual.
 
 At T = 0 there is nothing to sample: ``ddtree_generate(..., tree="sampled", temperature=0)`` builds the deterministic
 top-K tree and walks it greedily, and a sampled tree verified at T = 0 falls back to the greedy walk too.
@@ -37,7 +38,7 @@ import numpy as np
 import torch
 
 from dflash_core.decoding import follow
-from dflash_core.policy import BlockPolicy, DraftBlock
+from dflash_core.tree import BlockPolicy, DraftBlock
 
 from dflash_core.tree import ROOT, DraftTree
 
@@ -102,12 +103,12 @@ class RecursiveRejection:
         total = float(rest.sum())
         return rest / total if total > 0 else rest
 
-    def sample(self, p: torch.Tensor, q: torch.Tensor | None, candidates: list[int],
+    def sample(self, p: torch.Tensor, q: torch.Tensor | None, children: list[int],
                generator: torch.Generator | None) -> tuple[int | None, int]:
-        """Verify ``candidates`` (children in draw order) at one node: (index of the accepted child, its token) or
+        """Verify ``children`` (their tokens in draw order) at one node: (index of the accepted child, its token) or
         (None, bonus token drawn from the last residual). ``p``, ``q``: [V] float64 on one device (``q`` is unused,
-        may be None, without candidates)."""
-        for index, token in enumerate(candidates):
+        may be None, without children)."""
+        for index, token in enumerate(children):
             accept = self.acceptance(p, q)
             u = torch.rand((), generator=generator, device=p.device, dtype=p.dtype)
             if bool(u < accept[token]):
@@ -117,14 +118,14 @@ class RecursiveRejection:
         return None, int(torch.multinomial(p, 1, generator=generator))
 
     def outcomes(self, p: torch.Tensor, q: torch.Tensor | None,
-                 candidates: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+                 children: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact probabilities of what :meth:`sample` does: ([k] move into child i, [V] stop with bonus token x).
 
         For children drawn as the rule assumes, ``move[i]`` summed into their tokens plus ``bonus``, averaged over the
         draws, equals ``p`` (the tests enumerate this)."""
         move = []
         reach = 1.0  # probability that every earlier child was rejected
-        for token in candidates:
+        for token in children:
             accept = self.acceptance(p, q)
             chance = min(max(float(accept[token]), 0.0), 1.0)  # the coin flip u < a clips whatever a is
             move.append(reach * chance)
@@ -223,7 +224,7 @@ class _Rows:
     """One round's proposal rows, computed lazily and keyed by what decides them.
 
     Without a Markov scorer a row is a depth's distribution, keyed by the parent's depth (0 = the root): every node
-    of a depth draws its children from the same q. With a scorer (:class:`~dflash_core.markov.MarkovScorer`) a row
+    of a depth draws its children from the same q. With a scorer (:class:`~dflash_core.model.MarkovScorer`) a row
     is keyed by (children's depth, parent's target token): the children of a node come from softmax((base[d-1] +
     bias(token)) / T), and two nodes of one depth carrying one token share it exactly (the head sees only the token
     and, when gated, the depth's drafter state)."""
@@ -278,14 +279,14 @@ class SampledTreePolicy(BlockPolicy):
     drawn in the same order as if every row were computed at once (a bound above the exact rank surfaces no later),
     and a node whose children could never be drawn within the budget never costs a product.
 
-    ``token_map`` (the drafter's ``draft_vocab``): when the draft logits have one column per entry of it, columns are draft
-    indices and sampled tokens are mapped to target ids. ``rule`` is the verification rule the trees carry.
+    A block over a draft vocabulary (``block.token_map``, the drafter's ``draft_vocab``): columns are draft indices
+    and sampled tokens are mapped to target ids. ``rule`` is the verification rule the trees carry.
     """
 
     uses_draft = True
 
     def __init__(self, budget: int, temperature: float = 1.0, seed: int = 0, draft_temperature: float | None = None,
-                 token_map: torch.Tensor | None = None, rule: RecursiveRejection | None = None) -> None:
+                 rule: RecursiveRejection | None = None) -> None:
         if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget < 0:
             raise ValueError(f"a sampled tree needs an int budget >= 0, got {budget!r}")
         draft_temperature = temperature if draft_temperature is None else draft_temperature
@@ -293,7 +294,6 @@ class SampledTreePolicy(BlockPolicy):
             raise ValueError(f"a sampled tree needs a draft temperature > 0, got {draft_temperature!r} "
                              "(at T = 0 use the deterministic top-K tree)")
         self.budget, self.draft_temperature = int(budget), float(draft_temperature)
-        self.token_map = None if token_map is None else torch.as_tensor(token_map, dtype=torch.int64).cpu()
         self.rule = rule or RecursiveRejection()
         self.rng = np.random.default_rng(seed)
         self.name = f"sampled-{budget}"
@@ -320,19 +320,13 @@ class SampledTreePolicy(BlockPolicy):
             token = int(np.flatnonzero(rest)[-1])
         return token
 
-    def propose(self, block: DraftBlock | torch.Tensor, history: list[int] | None = None,
-                token_map: torch.Tensor | None = None) -> SampledDraftTree:
-        """``block``: the round's :class:`DraftBlock` (or draft logits [depth, V'], row d-1 drafting depth d, with an
-        optional ``token_map``); returns a SampledDraftTree of <= budget nodes. The block's (or the given) id map of
-        compact logits overrides the one given at construction. With the block's Markov scorer each node's children
-        are drawn from that node's own conditioned distribution, and the tree records that row for verification."""
-        scorer, root = None, ROOT
-        if isinstance(block, DraftBlock):
-            draft_logits, token_map, scorer, root = block.logits, block.token_map, block.scorer, block.root
-        else:
-            draft_logits = block
+    def propose(self, block: DraftBlock, history: list[int]) -> SampledDraftTree:
+        """A SampledDraftTree of <= budget nodes from the round's :class:`DraftBlock`. With the block's Markov scorer
+        each node's children are drawn from that node's own conditioned distribution, and the tree records that row
+        for verification."""
+        draft_logits, scorer, root = block.logits, block.scorer, block.root
         depth, width = draft_logits.shape
-        token_map = self.token_map if token_map is None else token_map.to(torch.int64).cpu()
+        token_map = None if block.token_map is None else block.token_map.to(torch.int64).cpu()
         mapped = token_map is not None and width == token_map.shape[0]
         if self.budget == 0 or depth == 0:
             return SampledDraftTree.empty()
@@ -357,7 +351,7 @@ class SampledTreePolicy(BlockPolicy):
         if not np.isfinite(rows.prob(first)).all() or rows.top_log[first].size == 0:
             raise ValueError("draft_logits row 0 has no finite probabilities (NaN or +/-inf logits, or a row of -inf; "
                              "with a Markov head: after its bias for the root): cannot sample the root's children")
-        # candidates "the next child of a node": (-priority, tie order, parent node, rank of that child)
+        # heap of "the next child of a node": (-priority, tie order, parent node, rank of that child)
         heap = [(-float(rows.top_log[first][0]), 0, ROOT, 0)]
         pushes = 1
         while heap and len(tokens) < self.budget:
@@ -418,5 +412,8 @@ class SampledTreePolicy(BlockPolicy):
 
 def sample_tree(draft_logits: torch.Tensor, budget: int, temperature: float = 1.0, seed: int = 0,
                 token_map: torch.Tensor | None = None) -> SampledDraftTree:
-    """One sampled tree (see :class:`SampledTreePolicy`): the counterpart of :func:`ddtree.build_tree` at T > 0."""
-    return SampledTreePolicy(budget, temperature, seed=seed, token_map=token_map).propose(draft_logits)
+    """One sampled tree (see :class:`SampledTreePolicy`) from draft logits [depth, V'] (row d-1 drafting depth d;
+    ``token_map``: the target id of each column of logits over a draft vocabulary): the counterpart of
+    :func:`ddtree.build_tree` at T > 0."""
+    block = DraftBlock(draft_logits, token_map, ROOT, int(draft_logits.shape[-1]) if token_map is None else -1)
+    return SampledTreePolicy(budget, temperature, seed=seed).propose(block, [])

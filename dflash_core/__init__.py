@@ -1,24 +1,17 @@
 """dflash_core: the DFlash drafter, the target adapter and the one speculative decode loop.
 
 The root exports what a researcher uses; everything else is importable from its module (``dflash_core.decoding``
-for the round functions, ``dflash_core.target`` for the adapter, ``dflash_core.config`` for ``DFlashConfig``, ...).
+for the loop, ``dflash_core.target`` for the adapter, ``dflash_core.config`` for ``DFlashConfig``, ...).
 """
 
-from .decoding import (
-    Chain,
-    GenerationResult,
-    ProposalPolicy,
-    autoregressive_generate,
-    dflash_generate,
-    speculative_generate,
-)
-from .prompt_lookup import lookup_generate
+from .decoding import GenerationResult, autoregressive_generate, dflash_generate, speculative_generate
 from .model import DFlashDraftModel, load_draft
-from .policy import BlockPolicy, DraftBlock
+from .prompt_lookup import lookup_generate
 from .target import IncompatibleModelError, check_compatibility
+from .tree import BlockPolicy, Chain, DraftBlock, DraftTree
 
 __all__ = [
-    "BlockPolicy", "Chain", "DFlashDraftModel", "DraftBlock", "GenerationResult", "IncompatibleModelError", "ProposalPolicy",
+    "BlockPolicy", "Chain", "DFlashDraftModel", "DraftBlock", "DraftTree", "GenerationResult", "IncompatibleModelError",
     "autoregressive_generate", "check_compatibility", "dflash_generate", "load_default_pair", "load_draft",
     "lookup_generate", "speculative_generate",
 ]

@@ -19,6 +19,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 __all__ = ["DFlashConfig", "build_target_layer_ids", "rope_settings", "target_rope"]
@@ -29,7 +30,8 @@ DEFAULT_ROPE_THETA = 10_000.0  # what transformers' Qwen3Config / LlamaConfig as
 
 # z-lab features that change what a drafter computes and that DFlashDraftModel does not implement
 _DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-_NEUTRAL_VALUES = {"output_multiplier": 1.0, "input_embedding_scale": 1.0, "final_logit_softcapping": None}
+_NEUTRAL_VALUES = MappingProxyType({"output_multiplier": 1.0, "input_embedding_scale": 1.0,
+                                    "final_logit_softcapping": None})
 
 
 def rope_settings(raw: dict[str, Any]) -> tuple[float | None, dict[str, Any] | None]:
@@ -116,7 +118,7 @@ class DFlashConfig:
     layer_types: tuple[str, ...] | None = None  # per layer "full_attention" / "sliding_attention"; None = all full
     sliding_window: int | None = None  # keys further than this from a query are hidden in sliding layers
     is_causal: bool | None = None  # z-lab's switch: None = causal in sliding layers only, bidirectional elsewhere
-    markov_rank: int | None = None  # a Markov head (dflash_core.markov) of this rank; None = none (z-lab drafters)
+    markov_rank: int | None = None  # a Markov head (dflash_core.model) of this rank; None = none (z-lab drafters)
     markov_kind: str = "token"  # "token" (bias from the previous token) or "gated" (also by the drafter's state)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 

@@ -33,20 +33,21 @@ __all__ = ["PackedLinear", "packed_kernels_available", "pack_linear_layers", "un
 
 KERNEL_CHOICES = ("torch", "packed", "auto")  # auto: measure both on this machine once (cached), keep the faster
 _ROWS_HINT = 16  # the row count oneDNN tunes the packed layout for (verify rounds carry 2-64 rows)
-_ENABLED = [True]  # process-wide switch: packed modules run F.linear while False (interleaved comparisons)
-
-
-def set_packed_enabled(enabled: bool) -> bool:
-    """Switch every :class:`PackedLinear` between its packed path and ``F.linear``; returns the previous state."""
-    previous, _ENABLED[0] = _ENABLED[0], bool(enabled)
+def set_packed_enabled(enabled: bool, *models: nn.Module | None) -> bool:
+    """Switch the :class:`PackedLinear` layers of ``models`` between their packed path and ``F.linear`` (for
+    interleaved comparisons; the switch lives on each layer); returns whether they were all on before."""
+    layers = [m for model in models if model is not None for m in model.modules() if isinstance(m, PackedLinear)]
+    previous = all(layer.enabled for layer in layers)
+    for layer in layers:
+        layer.enabled = bool(enabled)
     return previous
 
 
 def active_kernels(model: nn.Module | None) -> str:
     """``packed`` when ``model`` holds packed linear layers and they are switched on, else ``torch``."""
-    if model is None or not _ENABLED[0]:
+    if model is None:
         return "torch"
-    return "packed" if any(isinstance(m, PackedLinear) for m in model.modules()) else "torch"
+    return "packed" if any(isinstance(m, PackedLinear) and m.enabled for m in model.modules()) else "torch"
 
 
 def packed_kernels_available(dtype: torch.dtype | None = None) -> bool:
@@ -82,6 +83,7 @@ class PackedLinear(nn.Module):
         self.weight = linear.weight  # the same Parameter object: ties and state dicts are untouched
         self.bias = linear.bias
         self.rows_hint = rows_hint
+        self.enabled = True  # False: run F.linear (set_packed_enabled)
         self._packed: torch.Tensor | None = None
         self._packed_version: tuple | None = None
 
@@ -95,7 +97,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if (not _ENABLED[0] or x.device.type != "cpu" or w.device.type != "cpu" or x.dtype != w.dtype
+        if (not self.enabled or x.device.type != "cpu" or w.device.type != "cpu" or x.dtype != w.dtype
                 or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)) or x.numel() == 0):
             return F.linear(x, w, self.bias)
         bias = None if self.bias is None else self.bias.detach()
@@ -165,23 +167,24 @@ def measure_kernels(target, rows: tuple[int, ...] = (1, 8, 32), context: int = 1
     adapter = TargetAdapter(target, ())
     gen = torch.Generator().manual_seed(0)
     cache = adapter.new_cache()
-    adapter.forward(torch.randint(0, adapter.vocab_size, (context,), generator=gen), torch.arange(context), cache)
+    adapter.forward(torch.randint(0, adapter.vocab_size, (1, context), generator=gen), torch.arange(context)[None],
+                    cache, rows=torch.tensor([context - 1]), with_features=False)
     times: dict[str, dict[int, list[float]]] = {"torch": {r: [] for r in rows}, "packed": {r: [] for r in rows}}
-    previous = set_packed_enabled(True)
+    previous = set_packed_enabled(True, target)
     try:
         for rep in range(repeats + 1):
             for r in rows:
-                ids = torch.randint(0, adapter.vocab_size, (r,), generator=gen)
+                ids = torch.randint(0, adapter.vocab_size, (1, r), generator=gen)
                 for kernel in ("torch", "packed"):
-                    set_packed_enabled(kernel == "packed")
+                    set_packed_enabled(kernel == "packed", target)
                     t0 = time.perf_counter()
-                    adapter.forward(ids, torch.arange(context, context + r), cache)
+                    adapter.forward(ids, torch.arange(context, context + r)[None], cache, with_features=False)
                     elapsed = time.perf_counter() - t0
                     adapter.crop(cache, context)
                     if rep:  # the first pass warms both paths up
                         times[kernel][r].append(elapsed)
     finally:
-        set_packed_enabled(previous)
+        set_packed_enabled(previous, target)
     return {k: {r: 1000 * statistics.median(v) for r, v in per.items()} for k, per in times.items()}
 
 

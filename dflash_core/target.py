@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 __all__ = ["TargetAdapter", "TargetOutput", "TappedOutput", "tapped_forward", "IncompatibleModelError",
-           "SUPPORTED_MODEL_TYPES", "TREE_MASK_BACKENDS", "check_compatibility", "check_tree_attention"]
+           "SUPPORTED_MODEL_TYPES", "TREE_MASK_BACKENDS", "check_compatibility", "check_mask_backend"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral", "qwen3_moe")
 # attention backends that apply a custom 4D mask as given; flash-attention kernels read a mask as 2D padding only
@@ -70,7 +70,7 @@ def tapped_forward(model: nn.Module, input_ids: torch.Tensor, layer_ids: Sequenc
 
 
 class TargetAdapter:
-    """Drives a Hugging Face causal LM one forward at a time on top of a growing KV cache (batch size 1)."""
+    """Drives a Hugging Face causal LM one forward at a time on top of a shared KV cache for a batch of sequences."""
 
     def __init__(self, model: nn.Module, layer_ids: tuple[int, ...] | list[int] = ()) -> None:
         config = getattr(model, "config", None)
@@ -103,7 +103,6 @@ class TargetAdapter:
             )
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self._has_logits_to_keep = "logits_to_keep" in params
 
     # ------------------------------------------------------------------ properties
     @property
@@ -167,10 +166,6 @@ class TargetAdapter:
         return DynamicCache()
 
     @staticmethod
-    def cache_length(cache) -> int:
-        return int(cache.get_seq_length())
-
-    @staticmethod
     def _layers(cache):
         layers = getattr(cache, "layers", None)
         if layers is None:
@@ -186,97 +181,52 @@ class TargetAdapter:
                 layer.keys = layer.keys[..., :length, :]
                 layer.values = layer.values[..., :length, :]
 
-    def compact(self, cache, start: int, keep: torch.Tensor) -> None:
-        """Keep positions ``[0, start)`` plus ``start + keep`` (``keep``: increasing offsets into the newest entries).
-
-        After a tree verification the cache holds the root and every tree node; only the accepted path must stay.
-        When the kept entries are already contiguous this is a plain crop.
-        """
-        keep = keep.to(torch.long)
-        n = int(keep.numel())
-        if n == 0:
-            return self.crop(cache, start)
-        if int(keep[-1]) == n - 1:  # [0, 1, ..., n-1]: the accepted path is a prefix (always so for a chain)
-            return self.crop(cache, start + n)
-        for layer in self._layers(cache):
-            idx = (keep + start).to(layer.keys.device)
-            layer.keys = torch.cat([layer.keys[..., :start, :], layer.keys.index_select(-2, idx)], dim=-2)
-            layer.values = torch.cat([layer.values[..., :start, :], layer.values.index_select(-2, idx)], dim=-2)
-
     # ------------------------------------------------------------------ forward
+    # A batch shares one cache of shape [B, kv_heads, S, head_dim] per layer (one prompt is a batch of one). Sequence
+    # b's committed tokens sit at slots [0, length_b); slots from length_b to S hold leftovers that every mask hides.
+    # A forward appends the same number of new slots to every sequence (ragged inputs are padded) and
+    # :meth:`move_slots` then moves each sequence's kept entries down to the end of its own prefix, so the cache never
+    # holds more than the longest sequence.
     @torch.inference_mode()
     def forward(
-        self,
-        token_ids: torch.Tensor,  # [n] new tokens
-        position_ids: torch.Tensor,  # [n]
-        cache,
-        visibility: torch.Tensor | None = None,  # [n, n] bool among the new tokens (True = may attend); None = causal
-        last_only: bool = False,
-        with_features: bool = True,
-    ) -> TargetOutput:
-        """One target forward over ``n`` new tokens appended to ``cache`` (the cache grows by ``n``)."""
-        past = self.cache_length(cache)
-        n = token_ids.shape[-1]
-        kwargs = {self._cache_kw: cache, "use_cache": True}
-        if visibility is not None:
-            check_tree_attention(self.model)
-            # [1, 1, n, past + n] additive mask: the past is fully visible, the tree part follows `visibility`.
-            hidden = torch.zeros(1, 1, n, past + n, dtype=torch.bool, device=self.device)
-            hidden[..., past:] = ~visibility.to(self.device)
-            mask = torch.zeros(hidden.shape, dtype=self.dtype, device=self.device)
-            mask.masked_fill_(hidden, torch.finfo(self.dtype).min)
-            kwargs["attention_mask"] = mask
-        if last_only and self._has_logits_to_keep:
-            kwargs["logits_to_keep"] = 1
-        out = tapped_forward(self.model, token_ids.view(1, n).to(self.device), self.layer_ids if with_features else (),
-                             position_ids=position_ids.view(1, n).to(self.device), **kwargs)
-        logits = out.logits[0]
-        if last_only:
-            logits = logits[-1:]
-        features = None if out.features is None else out.features[0]
-        return TargetOutput(logits=logits.float(), features=features)
-
-    # ------------------------------------------------------------------ a batch of sequences (ragged)
-    # A batch shares one cache of shape [B, kv_heads, S, head_dim] per layer. Sequence b's committed tokens sit at
-    # slots [0, length_b); slots from length_b to S hold leftovers that every mask hides. A forward appends the same
-    # number of new slots to every sequence (ragged inputs are padded) and :meth:`move_slots` then moves each
-    # sequence's kept entries down to the end of its own prefix, so the cache never holds more than the longest
-    # sequence.
-    @torch.inference_mode()
-    def forward_batch(
         self,
         token_ids: torch.Tensor,  # [B, n] new tokens (padded rows hold any valid id)
         position_ids: torch.Tensor,  # [B, n]
         cache,
-        visible: torch.Tensor,  # [B, n, S + n] bool: True where the new token may attend (cached slots, then new)
-        rows: torch.Tensor,  # [K] flat indices b * n + i of the rows whose logits are wanted
+        visible: torch.Tensor | None = None,  # [B, n, S + n] bool: may attend (cache slots, then new); None: causal
+        rows: torch.Tensor | None = None,  # [K] flat indices b * n + i of the rows whose logits are wanted; None: all
         with_features: bool = True,
     ) -> TargetOutput:
-        """One target forward over a padded batch of new tokens on the shared ragged cache (it grows by ``n``);
-        returns the logits of the ``rows`` asked for, float32 [K, V], and the features of all, [B, n, F]. Only those
-        rows pass through the LM head (the head's rows of padding are never computed)."""
-        check_tree_attention(self.model)
+        """One target forward over a batch of new tokens on the shared cache (it grows by ``n``): the logits of the
+        ``rows`` asked for, float32 [K, V], and the features of all, [B, n, F]. Only those rows pass through the LM
+        head. ``visible=None`` runs the model's own causal mask: exact when every row continues its whole cache."""
         b, n = token_ids.shape
-        mask = torch.zeros((b, 1) + tuple(visible.shape[1:]), dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~visible.to(self.device)[:, None], torch.finfo(self.dtype).min)
+        mask = None
+        if visible is not None:
+            mask = torch.zeros((b, 1) + tuple(visible.shape[1:]), dtype=self.dtype, device=self.device)
+            mask.masked_fill_(~visible.to(self.device)[:, None], torch.finfo(self.dtype).min)
         out = tapped_forward(self.model, token_ids.to(self.device), self.layer_ids if with_features else (),
                              head=False, position_ids=position_ids.to(self.device), attention_mask=mask,
                              use_cache=True, **{self._cache_kw: cache})
-        hidden = out.last_hidden.reshape(b * n, -1).index_select(0, rows.to(out.last_hidden.device))
+        hidden = out.last_hidden.reshape(b * n, -1)
+        if rows is not None:
+            hidden = hidden.index_select(0, rows.to(hidden.device))
         return TargetOutput(logits=self.model.lm_head(hidden.to(self.device)).float(), features=out.features)
 
+    @torch.inference_mode()
     def move_slots(self, cache, source: torch.Tensor, dest: torch.Tensor, width: int) -> None:
         """In every layer of a batch cache copy sequence b's slots ``source[b]`` to ``dest[b]`` ([B, K] slot
         indices; a row may repeat its last pair as padding), then keep the first ``width`` slots. All sources are
         read before any destination is written, so the two may overlap. Only the moved entries are copied."""
         rows = torch.arange(source.shape[0])[:, None].expand_as(source)
-        for layer in self._layers(cache):  # advanced indexing: [B, K, heads, dim] (CPU scatter_ is ~10x slower)
+        for layer in self._layers(cache):  # advanced indexing: [B, K, heads, dim] (on the CPU much faster than scatter_)
             device = layer.keys.device
             b, src, dst = rows.to(device), source.to(device), dest.to(device)
             keys, values = layer.keys[b, :, src], layer.values[b, :, src]
             layer.keys[b, :, dst], layer.values[b, :, dst] = keys, values
             layer.keys, layer.values = layer.keys[:, :, :width], layer.values[:, :, :width]
 
+    @torch.inference_mode()
     def select_sequences(self, cache, batch_rows: torch.Tensor) -> None:
         """Keep only the sequences ``batch_rows`` of a batch cache (finished sequences leave the batch)."""
         for layer in self._layers(cache):
@@ -285,20 +235,24 @@ class TargetAdapter:
                 layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
 
 
-def check_tree_attention(target: nn.Module) -> None:
-    """Raise :class:`IncompatibleModelError` when the target's attention backend cannot apply a tree mask.
+def check_mask_backend(target: nn.Module, batch: int = 1, chains_only: bool = False) -> bool:
+    """Whether the target's attention backend applies a 4D attention mask; raise :class:`IncompatibleModelError`
+    when the call needs one and the backend would ignore it.
 
-    Tree verification hands the target a 4D ancestor mask. SDPA, eager and flex attention apply it; flash-attention
-    kernels take a mask as 2D padding and would verify every node under the plain causal mask, silently accepting
-    tokens the target never saw in that context. A chain needs no mask and runs on any backend.
+    Trees and batches reach the target as a 4D mask (ancestors, padding). SDPA, eager and flex attention apply it;
+    flash-attention kernels read a mask as 2D padding and would verify every node under the plain causal mask,
+    silently accepting tokens the target never saw in that context. One prompt decoded with chains needs no mask.
     """
     backend = getattr(getattr(target, "config", None), "_attn_implementation", None)
-    if backend is not None and backend not in TREE_MASK_BACKENDS:
+    masks = backend is None or backend in TREE_MASK_BACKENDS
+    if not masks and (batch > 1 or not chains_only):
+        need = "a batch of prompts" if batch > 1 else "tree verification"
         raise IncompatibleModelError(
-            f"the target's attention backend {backend!r} does not apply a 4D attention mask, which tree verification "
-            f"needs (it works with {', '.join(TREE_MASK_BACKENDS)}). Load the target with attn_implementation='sdpa' "
-            "or call target.set_attn_implementation('sdpa'); budget='chain' (DFlash) runs on any backend"
+            f"the target's attention backend {backend!r} does not apply a 4D attention mask, which {need} needs (it "
+            f"works with {', '.join(TREE_MASK_BACKENDS)}). Load the target with attn_implementation='sdpa' or call "
+            "target.set_attn_implementation('sdpa'); budget='chain' (DFlash) on one prompt runs on any backend"
         )
+    return masks
 
 
 def check_compatibility(target: nn.Module, draft) -> str:

@@ -1,8 +1,6 @@
-"""Timing and per-machine caches: the decode loop's stage timer, one median-of-repeats timer for measurements, and
-the one JSON cache keyed by the machine that measured speeds are kept in.
+"""Measuring and per-machine caches: one median-of-repeats timer for measurements, and the one JSON cache keyed by
+the machine that measured speeds are kept in (the decode loop's own stage timer is ``dflash_core.decoding.StageTimer``).
 
-* :class:`StageTimer` -- per-stage wall time of the decode loop: perf_counter on CPU, CUDA events on CUDA (no sync
-  until the end);
 * :func:`time_samples` / :func:`median_seconds` -- seconds of repeated calls (several functions interleaved, so
   machine noise hits all alike): CUDA events on the device's current stream on CUDA, perf_counter elsewhere;
 * :func:`machine_key` / :func:`cached_json` -- a measurement stored under ``cache_root()/<kind>/<name>.json``, its
@@ -18,16 +16,14 @@ import platform
 import statistics
 import time
 import warnings
-from collections import defaultdict
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
 from .files import write_text_atomic
 
-__all__ = ["StageTimer", "cpu_model", "cache_root", "machine_identity", "machine_key", "cache_path", "cached_json",
+__all__ = ["cpu_model", "cache_root", "machine_identity", "machine_key", "cache_path", "cached_json",
            "read_cached_json", "write_cached_json", "time_samples", "median_seconds"]
 
 T = TypeVar("T")
@@ -140,48 +136,6 @@ def time_samples(functions: Sequence[Callable[[], Any]], repeats: int, device: t
 def median_seconds(fn: Callable[[], Any], repeats: int, device: torch.device | str = "cpu", warmup: int = 0) -> float:
     """Median seconds of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones (see :func:`time_samples`)."""
     return statistics.median(time_samples([fn], repeats, device, warmup)[0])
-
-
-class StageTimer:
-    """Accumulates seconds per named stage.
-
-    On CUDA each stage records a pair of events on the current stream of ``device`` (not of whichever GPU happens to
-    be current: with the model on ``cuda:1`` and ``cuda:0`` current, events on ``cuda:0`` would read ~0); nothing
-    waits for the device until :meth:`totals` is called once at the end, so timing does not serialize the loop.
-    """
-
-    def __init__(self, device: torch.device | str = "cpu", enabled: bool = True) -> None:
-        self.enabled = enabled
-        self.device = torch.device(device)
-        self.cuda = self.device.type == "cuda"
-        self._seconds: dict[str, float] = defaultdict(float)
-        self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
-
-    @contextmanager
-    def stage(self, name: str) -> Iterator[None]:
-        if not self.enabled:
-            yield
-            return
-        if self.cuda:
-            stream = torch.cuda.current_stream(self.device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            yield
-            end.record(stream)
-            self._events.append((name, start, end))
-        else:
-            t0 = time.perf_counter()
-            yield
-            self._seconds[name] += time.perf_counter() - t0
-
-    def totals(self) -> dict[str, float]:
-        """Seconds per stage (synchronizes the device once on CUDA)."""
-        if self._events:
-            torch.cuda.synchronize(self.device)
-            for name, start, end in self._events:
-                self._seconds[name] += start.elapsed_time(end) / 1000.0
-            self._events.clear()
-        return dict(self._seconds)
 
 
 def cpu_model() -> str:

@@ -12,13 +12,17 @@ paths) from them, so there is one source of truth:
 Nodes are stored best first (``log_probs`` non-increasing), which is the order ``ddtree.build.build_tree`` produces.
 Because parents come first, per-node quantities can be computed level by level with a handful of tensor operations.
 A chain (node i the child of node i-1) is verified under the plain causal mask: :attr:`DraftTree.is_chain`.
+
+The policy contract lives here too, since a policy's one job is to make a tree: each round the loop hands a
+:class:`BlockPolicy` the drafter's :class:`DraftBlock` and gets a :class:`DraftTree` back (:class:`NoDraft` and
+:class:`Chain` are the two built into the loop: plain decoding and DFlash).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -292,7 +296,7 @@ class DraftTree:
             (self.token_ids, other.token_ids), (self.parents, other.parents), (self.depths, other.depths),
             (self.log_probs, other.log_probs)))
 
-    def validate(self, best_first: bool = True) -> DraftTree:
+    def validate(self, best_first: bool = True, structure_only: bool = False) -> DraftTree:
         """Check every invariant and raise ValueError naming the first broken one; returns self.
 
         Layout: four 1-D CPU tensors of equal length, int64 except the float log-probs. Structure: parents come first
@@ -300,6 +304,8 @@ class DraftTree:
         among siblings (the walk down the tree needs an unambiguous child per token).
         Probabilities (unless all are unknown, NaN): no NaN, a child is never more probable than its parent (path
         probabilities only shrink), and with ``best_first`` the nodes are in non-increasing log-probability order.
+        ``structure_only``: only what positions, masks and cache compaction rely on (layout, parents first, depths,
+        ids >= 0): O(nodes) tensor operations, which the decode loop checks every round.
         """
         try:  # shapes and dtypes, as at construction (tensors can be resized in place since)
             self.__post_init__()
@@ -326,6 +332,8 @@ class DraftTree:
         if bool((self.token_ids < 0).any()):
             i = int(torch.nonzero(self.token_ids < 0).flatten()[0])
             raise ValueError(f"node {i} has negative token id {int(self.token_ids[i])}")
+        if structure_only:
+            return self
         pairs = torch.stack([self.parents, self.token_ids], dim=1)  # [n, 2] (parent, token)
         if torch.unique(pairs, dim=0).shape[0] != n:
             seen: dict[tuple[int, int], int] = {}
@@ -357,3 +365,96 @@ class DraftTree:
             return "DraftTree(num_nodes=0)"
         return (f"DraftTree(num_nodes={self.num_nodes}, max_depth={self.max_depth}, "
                 f"expected_acceptance={self.expected_acceptance():.3f})")
+
+
+# ---------------------------------------------------------------------------------------------------- the policy contract
+@dataclass
+class DraftBlock:
+    """One round's drafter output, what a policy builds its tree from.
+
+    ``logits`` [D, V'] float32, row d-1 = depth d, over the drafter's draft vocabulary: column j is target token
+    ``token_map[j]`` (``token_map`` None: the whole target vocabulary, column j is token j). ``root``: the block's
+    root (the last committed token). ``states`` [D, H]: the drafter's output states. ``scorer``: for a drafter with a
+    Markov head, the conditional distribution of a node's children given that node's own token
+    (:class:`~dflash_core.model.MarkovScorer`; None otherwise).
+    """
+
+    logits: torch.Tensor
+    token_map: torch.Tensor | None
+    root: int
+    vocab_size: int
+    states: torch.Tensor | None = None
+    scorer: object | None = None
+    _full: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def depth(self) -> int:
+        return int(self.logits.shape[0])
+
+    def full_logits(self) -> torch.Tensor:
+        """[D, V] float32 over the target's whole vocabulary, -inf outside the draft vocabulary (computed once)."""
+        if self.token_map is None:
+            return self.logits
+        if self._full is None:
+            full = self.logits.new_full((self.depth, self.vocab_size), float("-inf"))
+            self._full = full.index_copy_(-1, self.token_map.to(full.device), self.logits)
+        return self._full
+
+    def target_ids(self, columns: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary columns -> target token ids."""
+        return columns if self.token_map is None else self.token_map.to(columns.device)[columns]
+
+
+class BlockPolicy:
+    """A proposal policy: each round it turns the :class:`DraftBlock` (None in a round without the drafter) and the
+    history (prompt + every committed token, the root last) into a :class:`DraftTree`.
+
+    ``uses_draft``: whether the policy reads the drafter (False: ``propose`` always gets ``block=None`` and the
+    drafter never runs). ``proposes_chains``: whether every tree is a chain (verified under the causal mask, so any
+    attention backend serves it). ``wants_draft(history)``: whether this round runs the drafter (a policy may skip
+    it). ``observe(path)``: after each round, the indices of the accepted nodes that were committed. Whatever a valid
+    tree holds, the output is the target's: the loop verifies it.
+    """
+
+    name: str = "policy"
+    uses_draft: bool = True
+    proposes_chains: bool = False
+
+    def propose(self, block: DraftBlock | None, history: list[int]) -> DraftTree:
+        raise NotImplementedError
+
+    def observe(self, path: list[int]) -> None:
+        """Called after each round with the indices of the accepted nodes that were committed."""
+
+    def wants_draft(self, history: list[int]) -> bool:
+        return self.uses_draft
+
+
+class NoDraft(BlockPolicy):
+    """Propose nothing: each round commits exactly the target's own next token (plain decoding)."""
+
+    name, uses_draft, proposes_chains = "ar", False, True
+
+    def propose(self, block: DraftBlock | None, history: list[int]) -> DraftTree:
+        return DraftTree.empty()
+
+
+class Chain(BlockPolicy):
+    """DFlash: the drafter's top-1 token at every depth, as one branch. With a Markov head each depth is drafted
+    after the token chosen at the depth above (the root for depth 1): the greedy chain of the conditioned drafter."""
+
+    name, uses_draft, proposes_chains = "chain", True, True
+
+    def propose(self, block: DraftBlock, history: list[int]) -> DraftTree:
+        if block.scorer is not None:
+            tokens, logps, prev = [], [], block.root
+            for depth in range(1, block.depth + 1):
+                row = block.scorer.log_probs(depth, [prev])[0]  # [V'] children of the previous chain token
+                j = int(row.argmax())
+                prev = int(block.target_ids(torch.tensor(j)))
+                tokens.append(prev)
+                logps.append(float(row[j]))
+            return DraftTree.chain(tokens, logps)
+        logp = torch.log_softmax(block.logits.float(), dim=-1)  # [b-1, V']
+        best, columns = logp.max(dim=-1)
+        return DraftTree.chain(block.target_ids(columns).cpu(), best.cpu())

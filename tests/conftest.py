@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree.budget import forget_shared_memory
 from dflash_core import DFlashDraftModel
 from dflash_core.config import DFlashConfig, build_target_layer_ids
 from dflash_core.timing import cache_root
@@ -53,6 +52,19 @@ def make_draft(target, block_size: int = 4, layers: int = 1, taps: int = 2, mask
     return draft.to(dtype or next(target.parameters()).dtype).eval()
 
 
+def forward_one(adapter, ids: torch.Tensor, positions: torch.Tensor, cache, visibility: torch.Tensor | None = None,
+                with_features: bool = True):
+    """One sequence's forward of ``ids`` [n] on top of its whole cache through the adapter's one (batch) forward:
+    (logits [n, V], features [n, F] or None); ``visibility`` [n, n] among the new tokens (None: causal)."""
+    past, n = cache.get_seq_length(), len(ids)
+    visible = None
+    if visibility is not None:
+        visible = torch.ones(1, n, past + n, dtype=torch.bool)
+        visible[0, :, past:] = visibility
+    out = adapter.forward(ids[None], positions[None], cache, visible, None, with_features)
+    return out.logits, None if out.features is None else out.features[0]
+
+
 def prompt(seed: int, length: int, vocab: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (1, length), generator=g)
@@ -70,8 +82,8 @@ def pytest_configure(config):
 
 @pytest.fixture(autouse=True)
 def isolated_caches(request, tmp_path_factory, monkeypatch):
-    """Every test starts from empty measured caches (``$DDTREE_CACHE``: cost curves, kernel choices) and no shared
-    ``auto`` memory, so no test depends on which tests ran before it in its worker. The embedded model's dequantized
+    """Every test starts from empty measured caches (``$DDTREE_CACHE``: cost curves, kernel choices), so no test
+    depends on which tests ran before it in its worker. The embedded model's dequantized
     copy (the same weights on every machine, not a measurement) stays shared when it is complete.
 
     No test branches on the wall clock either: the round clocks of ``ddtree_generate(lookup=True)`` and ``auto``'s
@@ -90,9 +102,7 @@ def isolated_caches(request, tmp_path_factory, monkeypatch):
     steady_clocks(monkeypatch)
     if request.node.get_closest_marker("measured") is None:
         monkeypatch.setattr(ddtree.cost, "median_seconds", fixed_timer)
-    forget_shared_memory()
     yield
-    forget_shared_memory()
 
 
 FIXED_SECONDS = 1e-3
@@ -154,9 +164,9 @@ def record_masks(monkeypatch) -> list[bool]:
     masks: list[bool] = []
     real_forward = TargetAdapter.forward
 
-    def forward(self, token_ids, position_ids, cache, visibility=None, **kwargs):
-        masks.append(visibility is not None)
-        return real_forward(self, token_ids, position_ids, cache, visibility=visibility, **kwargs)
+    def forward(self, token_ids, position_ids, cache, visible=None, *args, **kwargs):
+        masks.append(visible is not None)
+        return real_forward(self, token_ids, position_ids, cache, visible, *args, **kwargs)
 
     monkeypatch.setattr(TargetAdapter, "forward", forward)
     return masks

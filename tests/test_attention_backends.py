@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from conftest import make_draft, make_target, prompt
 from dflash_core import IncompatibleModelError, autoregressive_generate, dflash_generate
-from dflash_core.target import TargetAdapter
+from dflash_core.target import TargetAdapter, check_mask_backend
 
 
 def _flash_like_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -35,12 +35,11 @@ def test_tree_verification_refuses_a_backend_without_4d_masks(flash_like_target)
     p = prompt(3, 8, 64)
     with pytest.raises(IncompatibleModelError, match="attn_implementation='sdpa'"):
         ddtree_generate(target, draft, p, budget=4, max_new_tokens=8)
-    adapter = TargetAdapter(target)
-    cache = adapter.new_cache()
-    adapter.forward(p[0], torch.arange(8), cache, with_features=False)
+    with pytest.raises(IncompatibleModelError, match="4D attention mask"):  # a batch needs the padding mask
+        autoregressive_generate(target, [p, p[:, :5]], max_new_tokens=4)
     with pytest.raises(IncompatibleModelError, match="4D attention mask"):
-        adapter.forward(torch.tensor([1, 2]), torch.tensor([8, 9]), cache,
-                        visibility=torch.ones(2, 2, dtype=torch.bool), with_features=False)
+        check_mask_backend(target, batch=1, chains_only=False)
+    assert check_mask_backend(target, batch=1, chains_only=True) is False  # one prompt's chains: no mask, allowed
     # the chain needs no mask: DFlash is exact on this backend too, and equals SDPA's output
     ar = autoregressive_generate(target, p, max_new_tokens=16).new_token_ids
     assert dflash_generate(target, draft, p, max_new_tokens=16).new_token_ids == ar
@@ -66,7 +65,7 @@ def test_chains_on_a_flash_like_backend_accept_whole_blocks_and_equal_the_refere
         ref = greedy_reference(target, p, 24)
         oracle = speculative_generate(target, draft, p, OracleChain(ref, p.shape[1], seed), max_new_tokens=24)
         assert oracle.new_token_ids == ref and max(oracle.acceptance_lengths) == 4
-        auto = make_policy("chain-auto", target, draft, cost=cost, cap=3, share_memory=False, online=False)
+        auto = make_policy("chain-auto", target, draft, cost=cost, cap=3, online=False)
         out = ddtree_generate(target, draft, p, max_new_tokens=24, policy=auto)
         assert out.new_token_ids == ref and max(out.tree_sizes) == 3
         # the public path: its cost curve is measured on this backend (chains need no mask)

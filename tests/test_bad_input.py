@@ -16,6 +16,7 @@ from ddtree.build import reference_build_tree
 from ddtree.generate import FixedBudget, make_policy
 from ddtree.sampled import SampledTreePolicy
 from dflash_core import autoregressive_generate, load_draft
+from dflash_core.tree import DraftBlock
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +103,7 @@ def test_a_sampled_tree_over_a_row_without_finite_probabilities_says_so():
     logits = torch.randn(3, 10)
     logits[0] = float("-inf")
     with pytest.raises(ValueError, match="row 0 has no finite probabilities"):
-        SampledTreePolicy(4, temperature=1.0).propose(logits)
+        SampledTreePolicy(4, temperature=1.0).propose(DraftBlock(logits, None, 0, 10), [0])
 
 
 def test_numpy_integer_budgets_are_budgets():
@@ -138,12 +139,12 @@ def test_an_interrupted_write_leaves_the_old_file_whole(tmp_path):
     assert path.read_text() == "old\n" and [p.name for p in tmp_path.iterdir()] == ["config.json"]
 
 
-def test_a_policy_without_uses_draft_says_what_it_lacks(pair):
+def test_an_object_that_is_no_policy_says_what_it_lacks(pair):
     class Half:
         name = "half"
 
         def propose(self, draft_logits, history):
             raise AssertionError("never called")
 
-    with pytest.raises(TypeError, match="needs propose.*and a bool uses_draft"):
+    with pytest.raises(TypeError, match="Half is not a policy: subclass dflash_core.BlockPolicy"):
         ddtree_generate(pair[0], pair[1], prompt(0, 5, 64), max_new_tokens=4, policy=Half())

@@ -18,11 +18,9 @@ import torch
 
 from conftest import make_draft, make_target, prompt
 from ddtree import build_tree, ddtree_generate
-from dflash_core import batch as batch_module
-from dflash_core import decoding, rounds
-from dflash_core.batch import BatchTarget
-from dflash_core.decoding import autoregressive_generate, dflash_generate, speculative_generate
-from dflash_core.policy import BlockPolicy
+from dflash_core import decoding
+from dflash_core.decoding import LiveModels, autoregressive_generate, dflash_generate, speculative_generate
+from dflash_core.tree import BlockPolicy, Chain
 from greedy_reference import exact_joint, greedy_reference
 from test_decoding import chi_square_p, lossy_follow
 
@@ -108,13 +106,13 @@ def test_a_batch_equals_each_prompt_decoded_alone_and_accepts_deep_paths(pair, m
     target, draft, prompts, max_new, stop, _ = pair
     references = [greedy_reference(target, p, max_new) for p in prompts]
     kept = []
-    real = BatchTarget.commit
+    real = LiveModels.commit
 
     def spy(self, seqs, paths, committed, drafted):
         kept.extend(paths)
         return real(self, seqs, paths, committed, drafted)
 
-    monkeypatch.setattr(BatchTarget, "commit", spy)
+    monkeypatch.setattr(LiveModels, "commit", spy)
     planted = [PlantedTree(r, int(p.shape[1]), 16, seed=b) for b, (r, p) in enumerate(zip(references, prompts))]
     together = speculative_generate(target, draft, prompts, planted, max_new)
     assert any(path != list(range(len(path))) for path in kept)  # accepted paths through later siblings
@@ -195,7 +193,7 @@ def test_sampling_in_a_batch_matches_each_sequences_distribution(small_vocab):
 
 def test_a_broken_walk_in_a_batch_is_detected(small_vocab, monkeypatch):
     target, draft, prompts, joints = small_vocab
-    monkeypatch.setattr(rounds, "follow", lossy_follow)
+    monkeypatch.setattr(decoding, "follow", lossy_follow)
     pooled = [chi_square_p(c, p, CALLS) for c, p in zip(_batched_joint(target, draft, prompts), joints)]
     assert min(pooled) < 1e-3
 
@@ -210,19 +208,19 @@ def _planted_batch(target, draft, prompts, max_new):
 
 def test_a_path_kept_in_another_sequences_cache_is_caught(pair, monkeypatch):
     target, draft, prompts, max_new, _, _ = pair
-    real = BatchTarget.commit
+    real = LiveModels.commit
 
     def swapped(self, seqs, paths, committed, drafted):  # sequence b's cache keeps sequence b+1's accepted path
         return real(self, seqs, paths[1:] + paths[:1] if len(paths) > 1 else paths, committed, drafted)
 
-    monkeypatch.setattr(BatchTarget, "commit", swapped)
+    monkeypatch.setattr(LiveModels, "commit", swapped)
     got, references = _planted_batch(target, draft, prompts[:4], max_new)
     assert got != references
 
 
 def test_one_shared_position_offset_is_caught(pair, monkeypatch):
     target, draft, prompts, max_new, _, _ = pair
-    real = batch_module.compile_proposal
+    real = decoding.tree_inputs
     shared = {}
 
     def first_start(proposal, root, start):  # every sequence placed at the first sequence's length
@@ -230,14 +228,14 @@ def test_one_shared_position_offset_is_caught(pair, monkeypatch):
         ids, positions, visibility = real(proposal, root, start)
         return ids, positions - start + shared["start"], visibility
 
-    real_verify = BatchTarget.verify
+    real_verify = LiveModels.verify
 
     def verify(self, seqs, proposals, roots):
         shared.clear()
         return real_verify(self, seqs, proposals, roots)
 
-    monkeypatch.setattr(batch_module, "compile_proposal", first_start)
-    monkeypatch.setattr(BatchTarget, "verify", verify)
+    monkeypatch.setattr(decoding, "tree_inputs", first_start)
+    monkeypatch.setattr(LiveModels, "verify", verify)
     got, references = _planted_batch(target, draft, prompts[:4], max_new)
     assert got != references
 
@@ -246,14 +244,14 @@ def test_a_visible_padding_slot_is_caught(pair, monkeypatch):
     target, draft, prompts, max_new, _, _ = pair
     from dflash_core.target import TargetAdapter
 
-    forward = TargetAdapter.forward_batch
+    forward = TargetAdapter.forward
 
     def leaky(self, token_ids, position_ids, cache, visible, rows, with_features=True):
         visible = visible.clone()
         visible[..., : visible.shape[-1] - token_ids.shape[1]] = True  # every cached slot, leftovers included
         return forward(self, token_ids, position_ids, cache, visible, rows, with_features)
 
-    monkeypatch.setattr(TargetAdapter, "forward_batch", leaky)
+    monkeypatch.setattr(TargetAdapter, "forward", leaky)
     got, references = _planted_batch(target, draft, prompts[:4], max_new)
     assert got != references
 
@@ -270,14 +268,14 @@ def test_one_drafter_pass_and_one_target_forward_per_round_and_finished_sequence
 
     from dflash_core.target import TargetAdapter
 
-    real_forward = TargetAdapter.forward_batch
+    real_forward = TargetAdapter.forward
 
     def counting_forward(self, token_ids, *args, **kwargs):
         verify_batches.append(token_ids.shape[0])
         return real_forward(self, token_ids, *args, **kwargs)
 
     monkeypatch.setattr(type(draft), "forward", counting_draft)
-    monkeypatch.setattr(TargetAdapter, "forward_batch", counting_forward)
+    monkeypatch.setattr(TargetAdapter, "forward", counting_forward)
     results = dflash_generate(target, draft, prompts, max_new, stop_token_ids=[stop])
     assert [r.new_token_ids for r in results] == stopped
     rounds = max(len(r.acceptance_lengths) for r in results)
@@ -310,9 +308,9 @@ def test_a_batch_refuses_bad_input_with_a_message():
     with pytest.raises(ValueError, match="shape"):
         autoregressive_generate(target, torch.ones(2, 4, dtype=torch.long), 4, attention_mask=torch.ones(2, 3))
     with pytest.raises(ValueError, match="one policy per prompt"):
-        speculative_generate(target, draft, [p, p], [decoding.Chain()] * 3, 4)
+        speculative_generate(target, draft, [p, p], [Chain()] * 3, 4)
     with pytest.raises(ValueError, match="draft="):
-        speculative_generate(target, None, [p, p], decoding.Chain(), 4)
+        speculative_generate(target, None, [p, p], Chain(), 4)
     with pytest.raises(ValueError, match="z-lab"):
         draft.spec_generate(target=target, input_ids=torch.ones(2, 4, dtype=torch.long), max_new_tokens=4)
     target.config._attn_implementation = "flash_attention_2"
@@ -343,14 +341,14 @@ def test_auto_in_a_batch_prices_rounds_with_the_batch_curve_per_sequence(pair, m
     from dflash_core.target import TargetAdapter
 
     verify_rows = []
-    real = TargetAdapter.forward_batch
+    real = TargetAdapter.forward
 
     def spy(self, token_ids, *args, **kwargs):
         verify_rows.append(token_ids.shape[0])
         return real(self, token_ids, *args, **kwargs)
 
     monkeypatch.setattr(cost, "median_seconds", timer)
-    monkeypatch.setattr(TargetAdapter, "forward_batch", spy)
+    monkeypatch.setattr(TargetAdapter, "forward", spy)
     curve = cost.measure_cost_model(target, draft, grid=(0, 2, 8), context=32, repeats=1, cap=16, batch=4)
     assert curve.verify(8) == pytest.approx(0.001) and curve.fixed_s == pytest.approx(0.001)
     assert set(verify_rows) == {4}  # every timed forward verified the four sequences together
@@ -372,7 +370,7 @@ def test_auto_in_a_batch_prices_rounds_with_the_batch_curve_per_sequence(pair, m
 
 
 def test_the_shared_size_maximizes_the_batchs_rate_by_brute_force():
-    from ddtree.batch_budget import shared_size
+    from ddtree.budget import shared_size
 
     rng = np.random.default_rng(0)
     for _ in range(200):
@@ -389,11 +387,11 @@ def test_the_shared_size_maximizes_the_batchs_rate_by_brute_force():
 
 
 def test_a_shared_budget_gives_every_sequence_one_size_per_round(pair, monkeypatch):
-    from ddtree import batch_budget
+    from ddtree.budget import SharedBudget
 
     target, draft, prompts, max_new, _, _ = pair
     sizes, chosen = [], []
-    real = batch_budget.SharedBudget.propose
+    real = SharedBudget.propose
 
     def spy(self, seqs, blocks, histories):
         trees = real(self, seqs, blocks, histories)
@@ -401,7 +399,7 @@ def test_a_shared_budget_gives_every_sequence_one_size_per_round(pair, monkeypat
         chosen.append(self.chosen[-1])
         return trees
 
-    monkeypatch.setattr(batch_budget.SharedBudget, "propose", spy)
+    monkeypatch.setattr(SharedBudget, "propose", spy)
     results = ddtree_generate(target, draft, prompts[:4], budget="auto", max_new_tokens=max_new)
     assert [r.new_token_ids for r in results] == [greedy_reference(target, p, max_new) for p in prompts[:4]]
     assert sizes and all(max(row) <= n for row, n in zip(sizes, chosen))
@@ -411,7 +409,7 @@ def test_a_shared_budget_gives_every_sequence_one_size_per_round(pair, monkeypat
     with pytest.raises(ValueError, match="batch_budget"):
         ddtree_generate(target, draft, prompts[:2], budget="auto", max_new_tokens=4, batch_budget="each")
     with pytest.raises(TypeError, match="AutoBudget"):
-        batch_budget.SharedBudget([decoding.Chain()])
+        SharedBudget([Chain()])
 
 
 def test_auto_caps_a_batchs_trees_at_24_nodes_per_sequence_on_a_cpu(pair):

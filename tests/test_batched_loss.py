@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import make_draft, make_target
-from dflash_core.markov import attach_markov_head
+from dflash_core.model import attach_markov_head
 from dflash_core.training.anchors import sample_anchors
 from dflash_core.training.batched import batched_sequence_loss, batched_target_features
 from dflash_core.training.loop import train

@@ -17,7 +17,7 @@ from experiments.bench.ranks import RankInfo
 from experiments.bench.run_folder import existing_records, merge_rank_files
 from experiments.bench.models import ByteTokenizer
 from experiments.bench.variants import Variant, make_variants
-from dflash_core.pools.catalog import build_chat, select_items
+from dflash_core.training.pools.catalog import build_chat, select_items
 from experiments.bench.presets import PRESETS, TINY, ModelPair, Preset, get_preset, with_overrides
 from experiments.bench.schema import Manifest, read_records, record_key
 
@@ -376,7 +376,7 @@ def test_exact_match_column_separates_near_ties_from_real_differences():
 
 # ---------------------------------------------------------------------------------------------------- datasets
 def test_unavailable_dataset_is_left_out_unless_named(tmp_path, monkeypatch, capsys):
-    from dflash_core.pools.items import DatasetUnavailableError
+    from dflash_core.training.pools.items import DatasetUnavailableError
     from experiments.bench import conversation
 
     real = conversation.select_items

@@ -61,15 +61,16 @@ POLICY_MODULE = '''
 import torch
 
 from ddtree import DraftTree
+from dflash_core import BlockPolicy
 
 
-class ShortChain:
+class ShortChain(BlockPolicy):
     """The drafter's top-1 token at the first two depths: a chain of at most two nodes."""
 
     name, uses_draft = "short-chain", True
 
-    def propose(self, draft_logits, history):
-        logp = torch.log_softmax(draft_logits[:2].float(), dim=-1)  # [2, V]
+    def propose(self, block, history):
+        logp = torch.log_softmax(block.full_logits()[:2].float(), dim=-1)  # [2, V]
         best, tokens = logp.max(dim=-1)
         n = len(tokens)
         return DraftTree(tokens.cpu(), torch.arange(-1, n - 1), torch.arange(1, n + 1), best.cumsum(0).cpu())
@@ -120,7 +121,7 @@ def test_user_policy_class_is_a_variant_named_by_its_name(tmp_path, policy_modul
 @pytest.mark.parametrize("spec, message", [
     ("no_such_module_xyz:Policy", "cannot import module"),
     ("{module}:Missing", "has no 'Missing'"),
-    ("{module}:NoPropose", "needs a method propose"),
+    ("{module}:NoPropose", "needs to subclass dflash_core.BlockPolicy"),
     ("{module}:StringFlag", "a bool attribute uses_draft"),
     ("{module}:NeedsArguments", "no arguments"),
     ("{module}:NOT_A_CLASS", "not a class"),

@@ -1,7 +1,13 @@
-"""The 'auto' budget policy: objective oracle, limiting cost curves, calibration, losslessness."""
+"""The 'auto' budget policy: objective oracle, limiting cost curves, calibration, how far it builds, the memory its
+caller holds, losslessness.
+
+Oracles for the build: the best prefix of the tree built at the size the policy announced, computed here from the same
+memory (with a Markov head: on a fresh copy of the round's scorer, so that no row the policy's build left in its cache
+can reach the oracle's tree); hand-computed sizes for the first build."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -12,11 +18,22 @@ from conftest import make_draft, make_target, prompt, record_masks
 from ddtree import build_tree, ddtree_generate
 from ddtree import cost as cost_module
 from ddtree.budget import (
-    AutoBudget, Round, RoundMemory, _fit_beta, best_prefix, calibrated_probs, forget_shared_memory, truncate_tree,
+    BUILD_FLOOR, BUILD_LOOKBACK, AutoBudget, Round, RoundMemory, best_prefix, build_size, calibrated_probs,
 )
+from ddtree.build import best_tree
 from ddtree.cost import CostModel, OnlineCost, across_contexts, calibrate, curve_error, measure_cost_model
 from dflash_core import autoregressive_generate
+from dflash_core.model import MarkovHead, MarkovScorer
 from dflash_core.replay import replay
+from dflash_core.tree import DraftBlock
+
+CAP = 128
+GRID = (0, 1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def block_of(logits: torch.Tensor, root: int = 0, token_map: torch.Tensor | None = None) -> DraftBlock:
+    """A round's drafter block from its logits (over a draft vocabulary when ``token_map`` is given)."""
+    return DraftBlock(logits, token_map, root, logits.shape[1] if token_map is None else int(token_map.max()) + 1)
 
 
 def brute_force_prefix(probs, cost):
@@ -44,42 +61,34 @@ def test_flat_cost_takes_the_cap_and_steep_cost_shrinks_to_a_chain():
     logits[:, 4] = 1.0
     flat = CostModel((0, 1024), (0.02, 0.02), fixed_s=0.005)
     steep = CostModel((0, 1, 1024), (0.02, 0.021, 20.0), fixed_s=0.005)
-    policy = AutoBudget(flat, cap=40, calibrate=False, build="exact")  # the choice rule alone: the cap's tree
-    assert len(policy.propose(logits, [])) == 40
-    chain = AutoBudget(steep, cap=40, calibrate=False).propose(logits, [])
+    policy = AutoBudget(flat, cap=40)  # nothing learnt yet: the choice rule alone
+    assert len(policy.propose(block_of(logits), [0])) == BUILD_FLOOR == policy.built[-1]  # the whole build
+    chain = AutoBudget(steep, cap=40).propose(block_of(logits), [0])
     assert 1 <= len(chain) <= 8
     assert chain.depths.tolist() == list(range(1, len(chain) + 1))  # one node per depth: a chain
-    assert AutoBudget(CostModel((0, 1), (0.01, 10.0), 0.0), cap=40).propose(logits, []).token_ids.numel() == 0
+    assert AutoBudget(CostModel((0, 1), (0.01, 10.0), 0.0), cap=40).propose(block_of(logits), [0]).token_ids.numel() \
+        == 0
 
 
 def test_truncated_best_first_prefix_is_a_valid_tree():
     tree = build_tree(torch.randn(6, 30, generator=torch.Generator().manual_seed(1)) * 2, 64)
     for n in (0, 1, 5, 17, 64):
-        sub = truncate_tree(tree, n)
+        sub = tree.prefix(n)
         assert len(sub) == n and (sub.parents < torch.arange(n)).all()
         sub.validate()
 
 
-def test_calibration_exponent_matches_observed_acceptance():
-    rng = np.random.default_rng(3)
-    history = []
-    for _ in range(30):
-        log_p = np.sort(np.log(rng.random(20)))[::-1] * 0.5
-        history.append((log_p, int(round(np.exp(2.0 * log_p).sum()))))  # the truth is p ** 2 (over-confident drafter)
-    beta = _fit_beta(history)
-    assert 1.7 < beta < 2.3
-    expected = sum(np.exp(beta * lp).sum() for lp, _ in history)
-    assert abs(expected - sum(a for _, a in history)) < 1e-6 * max(expected, 1)
-
-
-def test_policy_feedback_moves_beta():
+def test_policy_feedback_moves_the_calibration():
     cost = CostModel((0, 128), (0.02, 0.06), 0.005)
     policy = AutoBudget(cost, cap=32)
     logits = torch.randn(8, 40, generator=torch.Generator().manual_seed(0)) * 3
     for _ in range(10):
-        policy.propose(logits, [])
-        policy.record(0)  # the target never agrees: the drafter is over-confident
-    assert policy.beta > 1.0
+        tree = policy.propose(block_of(logits), [0])
+        policy.observe([])  # the target never agrees: the drafter is over-confident
+    assert len(policy.memory) == 10 and len(tree) > 0
+    _, probs = policy.drafter_tree(block_of(logits), 8)
+    raw = np.exp(best_tree(block_of(logits), 8).log_probs.double().numpy())
+    assert (probs < raw).all()  # every depth's factor fell below 1
 
 
 @pytest.mark.measured
@@ -178,10 +187,9 @@ def _accepted_path(rng, log_p, depths, truth):
     return accepted
 
 
-@pytest.mark.parametrize("method", ["power", "depth", "bucket"])
-def test_calibration_recovers_a_miscalibrated_drafter(method):
-    """Synthetic drafter whose true acceptance is 0.6 ** depth times its claim: every calibration must move the
-    predicted total toward the observed one, and the per-depth fit must recover the factors."""
+def test_calibration_recovers_a_miscalibrated_drafter():
+    """Synthetic drafter whose true acceptance is 0.6 ** depth times its claim: the calibration must move the
+    predicted total toward the observed one and recover the per-depth factors."""
     rng = np.random.default_rng(2)
     history = []
     for _ in range(3000):
@@ -190,12 +198,12 @@ def test_calibration_recovers_a_miscalibrated_drafter(method):
         truth = np.exp(log_p) * 0.6 ** depths
         history.append(Round(log_p, depths, _accepted_path(rng, log_p, depths, truth), 0.01))
     log_p, depths = history[0].log_p, history[0].depths
-    raw = calibrated_probs(log_p, depths, history, "none")
-    fitted = calibrated_probs(log_p, depths, history, method)
+    raw = calibrated_probs(log_p, depths, [])  # nothing learnt: the drafter's own probabilities
+    assert np.array_equal(raw, np.exp(log_p))
+    fitted = calibrated_probs(log_p, depths, history)
     truth = np.exp(log_p) * 0.6 ** depths
     assert abs(fitted.sum() - truth.sum()) < abs(raw.sum() - truth.sum()) * 0.5
-    if method == "depth":
-        assert np.allclose(fitted / raw, 0.6 ** depths, rtol=0.15)
+    assert np.allclose(fitted / raw, 0.6 ** depths, rtol=0.15)
 
 
 def test_chain_auto_is_lossless_and_proposes_chains(family):
@@ -219,7 +227,7 @@ def test_auto_replays_exactly(chain):
     draft = make_draft(target, block_size=5)
     cost = CostModel((0, 2, 8, 24), (0.010, 0.011, 0.014, 0.030), 0.002)
     live_policy, replay_policy = AutoBudget(cost, cap=24, chain=chain), AutoBudget(cost, cap=24, chain=chain)
-    for seed in range(3):  # one memory across prompts, as for_models shares it
+    for seed in range(3):  # one memory across prompts, as a caller that holds it
         p = prompt(80 + seed, 4, 6)
         live = ddtree_generate(target, draft, p, max_new_tokens=36, policy=live_policy)
         ids = torch.cat([p[0], torch.tensor(live.new_token_ids)])
@@ -229,25 +237,24 @@ def test_auto_replays_exactly(chain):
     assert len(set(live_policy.chosen)) > 1  # the size moved with the drafter's confidence
 
 
-def test_shared_memory_and_bad_options(monkeypatch, tmp_path):
+def test_the_caller_holds_the_memory_and_bad_options(monkeypatch, tmp_path):
     monkeypatch.setenv("DDTREE_CACHE", str(tmp_path))
-    forget_shared_memory()
     target = make_target("llama", vocab=16, dtype=torch.float32)
     draft = make_draft(target, block_size=4)
     cost = CostModel((0, 4), (0.01, 0.02), 0.001, key="k")
-    a = AutoBudget.for_models(target, draft, cost=cost)
-    b = AutoBudget.for_models(target, draft, cost=cost)
-    greedy_again = AutoBudget.for_models(target, draft, cost=cost, temperature=1.0)
-    assert a.memory is b.memory and a.memory is not greedy_again.memory
-    assert a.online_cost is b.online_cost is not None and a.clock is not None  # the online curve is shared too
-    alone = AutoBudget.for_models(target, draft, cost=cost, share_memory=False)
-    assert alone.memory is not a.memory and alone.online_cost is not a.online_cost
+    a, b = AutoBudget.for_models(target, draft, cost=cost), AutoBudget.for_models(target, draft, cost=cost)
+    assert a.memory is not b.memory and a.online_cost is not b.online_cost  # nothing held: each starts fresh
+    assert len(a.memory) == 0 and a.online_cost.rounds == 0 and a.clock is not None
+    memory = RoundMemory()
+    c, d = (AutoBudget.for_models(target, draft, cost=cost, memory=memory) for _ in range(2))
+    assert c.memory is d.memory is memory and c.online_cost is d.online_cost is memory.online_cost(cost)
+    other = CostModel((0, 4), (0.01, 0.03), 0.001, key="k", context=512)  # another context's curve: its own
+    assert AutoBudget.for_models(target, draft, cost=other, memory=memory).online_cost is not c.online_cost
     assert AutoBudget.for_models(target, draft, cost=cost, online=False).clock is None
-    forget_shared_memory()
-    with pytest.raises(ValueError, match="calibration"):
-        AutoBudget(cost, calibrate="isotonic")
-    with pytest.raises(ValueError, match="rule"):
-        AutoBudget(cost, rule="greedy")
+    with pytest.raises(ValueError, match="cap"):
+        AutoBudget(cost, cap=-1)
+    with pytest.raises(ValueError, match="window"):
+        RoundMemory(window=0)
     with pytest.raises(ValueError, match="chain-auto"):
         ddtree_generate(target, draft, prompt(1, 3, 16), budget="chains")
 
@@ -263,12 +270,10 @@ def test_round_memory_running_totals_equal_a_fresh_count():
     fresh = RoundMemory.of(list(memory))
     assert len(memory) == 7 and memory.tokens == fresh.tokens == sum(r.tokens for r in memory)
     assert memory.seconds == pytest.approx(fresh.seconds)
-    for name in ("depth_pred", "depth_obs", "depth_nodes", "bucket_nodes", "bucket_hits"):
+    for name in ("depth_pred", "depth_obs", "depth_nodes"):
         assert np.allclose(getattr(memory, name), getattr(fresh, name), atol=1e-9), name
     log_p, depths = np.log(np.array([0.9, 0.5, 0.05])), np.array([1, 2, 9])
-    for method in ("depth", "bucket"):
-        assert np.allclose(calibrated_probs(log_p, depths, memory, method),
-                           calibrated_probs(log_p, depths, list(memory), method))
+    assert np.allclose(calibrated_probs(log_p, depths, memory), calibrated_probs(log_p, depths, list(memory)))
 
 
 # ---------------------------------------------------------------------------------------------------- online cost
@@ -282,14 +287,22 @@ class FakeClock:
 
 def _run_rounds(policy, clock, seconds_of, rounds, rng, history):
     """Drive ``policy`` as the decode loop does: propose, the round takes ``seconds_of(n)``, observe, commit; returns
-    the history (a round is timed at the next propose)."""
+    the history (a round is timed at the next propose). The target accepts up to 2 tokens along the tree's most
+    probable path."""
     for _ in range(rounds):
         logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(int(rng.integers(1 << 30)))) * 3
-        n = len(policy.propose(logits, history).token_ids)
+        tree = policy.propose(block_of(logits, history[-1]), history)
+        n = len(tree.token_ids)
         clock.now += seconds_of(n)
-        accepted = int(rng.integers(0, min(n, 2) + 1))
-        policy.record(accepted)
-        history = history + [5] * (accepted + 1)
+        path, node = [], -1
+        for _ in range(int(rng.integers(0, min(n, 2) + 1))):
+            kids = [i for i in range(n) if int(tree.parents[i]) == node]
+            if not kids:
+                break
+            node = kids[0]  # best first: the most probable child
+            path.append(node)
+        policy.observe(path)
+        history = history + [5] * (len(path) + 1)
     return history
 
 
@@ -312,7 +325,7 @@ def test_online_curve_learns_round_times_twice_the_measured_ones():
     assert policy.online_cost.rounds == 41
     assert all(abs(e - 1.0) < 1e-9 for e in curve_error(policy.online_cost, measured).values())
     clock.now += 50.0  # prefill of the next prompt
-    policy.propose(torch.randn(6, 40), [1, 2, 3])  # a new generation: its history did not grow from the last round
+    policy.propose(block_of(torch.randn(6, 40), 3), [1, 2, 3])  # a new generation: not grown from the last round
     assert policy.online_cost.rounds == 41
 
 
@@ -334,14 +347,13 @@ def test_online_curve_tracks_each_size_and_stays_replayable_without_a_clock():
 
 def test_auto_reports_the_time_it_spent_measuring(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("DDTREE_CACHE", str(tmp_path))
-    forget_shared_memory()
     target = make_target("llama", vocab=32, layers=2, dtype=torch.float32)
     draft = make_draft(target, block_size=4)
     with caplog.at_level("INFO", logger="ddtree"):
-        policy = AutoBudget.for_models(target, draft, cap=8, context=20, chain=True, share_memory=False)
+        policy = AutoBudget.for_models(target, draft, cap=8, context=20, chain=True)
     assert policy.calibration_s > 0 and policy.cost.context == 64 and policy.chain
     assert any("measured the round cost curve" in r.getMessage() for r in caplog.records)
-    again = AutoBudget.for_models(target, draft, cap=8, context=20, chain=True, share_memory=False)
+    again = AutoBudget.for_models(target, draft, cap=8, context=20, chain=True)
     assert again.calibration_s == 0.0 and again.cost == policy.cost  # read from the cache: nothing measured
 
 
@@ -352,10 +364,10 @@ def test_calibrate_measures_each_bucket_once_and_auto_derives_the_others(monkeyp
     curves = calibrate(target, draft, contexts=[20, 100, 400], cap=8, repeats=1)
     assert sorted(curves) == [64, 128]  # 512 + a tree of 128 nodes does not fit the target's 512 positions
     assert all(c.measured_s > 0 and c.context == b for b, c in curves.items())
-    monkeypatch.setattr(cost_module, "_verify_seconds", lambda *a, **k: pytest.fail("measured again"))
+    monkeypatch.setattr(cost_module, "_round_seconds", lambda *a, **k: pytest.fail("measured again"))
     assert calibrate(target, draft, contexts=[20, 100], cap=8) == curves  # cache hits: free
     assert calibrate(target, draft, cap=8, max_context=300) == curves  # every bucket that fits 300 positions
-    derived = AutoBudget.for_models(target, draft, cap=8, context=300, share_memory=False)
+    derived = AutoBudget.for_models(target, draft, cap=8, context=300)
     assert derived.calibration_s == 0.0 and derived.cost.context == 512
     assert derived.cost == across_contexts(list(curves.values()), 512)
 
@@ -386,7 +398,7 @@ def test_chain_auto_prices_chains_without_a_mask(monkeypatch):
     assert any(masks) and tree.key != chain.key  # priced apart
     seen = {}
     monkeypatch.setattr("ddtree.budget.measure_cost_model", lambda *a, **k: seen.update(k) or chain)
-    assert AutoBudget.for_models(target, draft, chain=True, share_memory=False).cost is chain
+    assert AutoBudget.for_models(target, draft, chain=True).cost is chain
     assert seen["chain"] is True and seen["extrapolate"] is True
 
 
@@ -395,6 +407,122 @@ def test_auto_maps_compact_draft_columns_to_target_ids(chain):
     cost = CostModel((0, 64), (0.01, 0.01), 0.0)  # flat: verify everything up to the cap
     logits = torch.randn(4, 6, generator=torch.Generator().manual_seed(0)) * 3
     token_map = torch.tensor([10, 11, 12, 13, 14, 15])
-    plain = AutoBudget(cost, cap=12, chain=chain, calibrate=False).propose(logits, [])
-    mapped = AutoBudget(cost, cap=12, chain=chain, calibrate=False).propose(logits, [], token_map=token_map)
+    plain = AutoBudget(cost, cap=12, chain=chain).propose(block_of(logits), [0])
+    mapped = AutoBudget(cost, cap=12, chain=chain).propose(block_of(logits, 10, token_map), [10])
     assert torch.equal(mapped.token_ids, token_map[plain.token_ids]) and len(mapped.token_ids) > 0
+
+
+# ---------------------------------------------------------------------------------------------------- how far it builds
+def curve(rng) -> CostModel:
+    """A convex-ish CPU-like curve: flat for a few nodes, then steeper (random slopes)."""
+    slopes = np.concatenate([[0.0, 0.0], rng.uniform(1e-4, 1.5e-3, len(GRID) - 2)])
+    verify = 0.03 + np.cumsum(slopes * np.diff(np.concatenate([[0], GRID])))
+    return CostModel(GRID, tuple(float(v) for v in verify), fixed_s=float(rng.uniform(0.002, 0.01)))
+
+
+def random_logits(rng, depth: int = 15, vocab: int = 300) -> torch.Tensor:
+    """A drafter block whose confidence varies from round to round (so the chosen sizes do)."""
+    logits = rng.normal(0.0, 1.0, (depth, vocab)) * rng.uniform(0.5, 3.0)
+    top = rng.integers(0, vocab, depth)
+    logits[np.arange(depth), top] += rng.uniform(0.0, 12.0, depth)
+    return torch.tensor(logits, dtype=torch.float32)
+
+
+def markov_block(rng, seed: int, depth: int = 8, vocab: int = 64) -> DraftBlock:
+    """A block of a drafter with a (random, trained-looking) Markov head over a compact draft vocabulary."""
+    torch.manual_seed(seed)
+    head = MarkovHead(vocab, 16, 4, "gated")
+    with torch.no_grad():
+        head.out.weight.normal_(0, 1.5)
+    token_map = torch.tensor(rng.permutation(2 * vocab)[:vocab], dtype=torch.int64)
+    to_index = np.full(2 * vocab, vocab, dtype=np.int64)
+    to_index[token_map.numpy()] = np.arange(vocab)
+    base = random_logits(rng, depth, vocab)
+    states = torch.tensor(rng.normal(0.0, 1.0, (depth, 16)), dtype=torch.float32)
+    scorer = MarkovScorer(head, base, states, lambda ids: to_index[ids])
+    return DraftBlock(base, token_map, int(token_map[0]), 2 * vocab, states, scorer)
+
+
+def accepted_path(rng, tree) -> list[int]:
+    """A walk the target might accept: from the root, each step takes one of the node's children or stops."""
+    parents, path, at = tree.parents.tolist(), [], -1
+    while True:
+        kids = [i for i, p in enumerate(parents) if p == at]
+        if not kids or rng.random() < 0.3:
+            return path
+        at = kids[min(int(rng.geometric(0.6)) - 1, len(kids) - 1)]
+        path.append(at)
+
+
+def same_tree(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in ((a.token_ids, b.token_ids), (a.parents, b.parents),
+                                              (a.depths, b.depths), (a.log_probs, b.log_probs)))
+
+
+def test_the_build_follows_a_high_quantile_of_recent_sizes():
+    """1.25 x the 4th largest of the last 16 verified sizes, rounded up, + 2; at least 8, at most the cap."""
+    cost = CostModel((0, CAP), (0.03, 0.03 + CAP * 1e-5), 0.005)
+    policy = AutoBudget(cost, cap=CAP)
+    assert policy.next_build_size() == BUILD_FLOOR  # nothing verified yet: the floor
+
+    def remember(sizes):
+        for n in sizes:
+            policy.memory.append(Round(np.log(np.full(n, 0.5)), np.arange(1, n + 1), np.zeros(n, bool), 0.03))
+
+    remember([10] * BUILD_LOOKBACK)
+    assert policy.next_build_size() == 15  # ceil(12.5) + 2
+    remember([40] * 3)  # three outliers among the last 16: the 4th largest is still 10
+    assert policy.next_build_size() == 15
+    remember([40])  # a fourth: 40 -> 52
+    assert policy.next_build_size() == 52
+    remember([3] * 13)  # three 40s left among the last 16: the 4th largest is 3 -> ceil(3.75) + 2 = 6 < 8
+    assert policy.next_build_size() == BUILD_FLOOR
+    remember([12] * BUILD_LOOKBACK)
+    assert policy.next_build_size() == 17
+    remember([200] * BUILD_LOOKBACK)
+    assert policy.next_build_size() == CAP  # at most the cap
+    assert AutoBudget(cost, cap=8).next_build_size() == 8
+    assert build_size([], 5) == 5 and build_size([1, 2, 3, 4, 200], CAP) == BUILD_FLOOR  # sorted[3] = 4 -> 7
+    assert build_size([8, 9, 10, 11, 12, 8, 9, 10], CAP) == 16  # sorted[6] = 11 -> ceil(13.75) + 2
+
+
+@pytest.mark.parametrize("markov", [False, True])
+def test_every_round_is_one_build_and_the_best_prefix_of_it(markov):
+    """Every round: one build of ``next_build_size()`` nodes and the best prefix of exactly that tree (the oracle
+    builds it with ``best_tree`` and chooses with ``best_prefix`` over the same calibrated values)."""
+    rng = np.random.default_rng(11)
+    cost = curve(rng)
+    policy = AutoBudget(cost, cap=CAP)
+    history = [int(t) for t in rng.integers(0, 40, 24)]
+    for i in range(40):
+        block = markov_block(rng, i) if markov else block_of(random_logits(rng), history[-1])
+        size = policy.next_build_size()
+        rounds = policy.memory if len(policy.memory) >= policy.warmup else ()
+        ref = best_tree(copy.deepcopy(block), size)
+        probs = calibrated_probs(ref.log_probs.double().numpy(), ref.depths.numpy(), rounds)
+        n = best_prefix(probs, policy.curve, policy.rate)
+        got = policy.propose(block, history)
+        assert same_tree(got, ref.prefix(n)), i
+        assert policy.built[-1] == len(ref) <= size and policy.chosen[-1] == n
+        path = accepted_path(rng, got)
+        policy.observe(path)
+        history += [int(got.token_ids[j]) for j in path] + [int(rng.integers(0, 40))]
+    assert len(set(policy.built)) > 1 and policy.rate is not None  # the size moved with the rounds
+
+
+def test_the_build_grows_while_choices_fill_it():
+    """Nearly free nodes and a confident drafter that the target agrees with (it accepts the drafter's best chain
+    whole): each build is chosen whole, so the builds grow round after round (1.25 x the window's high quantile + 2)
+    until the cap."""
+    cost = CostModel((0, CAP), (0.03, 0.03 + CAP * 1e-5), 0.005)
+    policy = AutoBudget(cost, cap=CAP)
+    sure = torch.full((15, 50), -8.0)
+    sure[:, :4] = torch.tensor([6.0, 5.5, 5.0, 4.5])
+    for _ in range(40):
+        tree = policy.propose(block_of(sure, 1), [1])
+        parents, path = tree.parents.tolist(), []
+        while (kids := [i for i, p in enumerate(parents) if p == (path[-1] if path else -1)]):
+            path.append(kids[0])  # the best child: the drafter's top-1 chain
+        policy.observe(path)
+    assert policy.built[0] == BUILD_FLOOR and policy.chosen == policy.built  # every build chosen whole
+    assert policy.built == sorted(policy.built) and policy.built[-1] == CAP and policy.built[1] > BUILD_FLOOR

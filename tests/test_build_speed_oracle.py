@@ -33,7 +33,7 @@ def confident_logits(depth: int, vocab: int, seed: int, sure_rows: int) -> torch
     return logits
 
 
-def rows_looked_at(candidates: build_module.Candidates) -> int:
+def rows_looked_at(candidates: build_module.CandidateRows) -> int:
     """Rows the candidate search log-softmaxed: the rest carry cutoff 0 and no candidate."""
     never = np.flatnonzero((candidates.cutoff == 0.0) & (np.diff(candidates.row_start) == 0))
     return int(never[0]) if never.size else candidates.cutoff.size

@@ -1,5 +1,5 @@
-"""Compact draft logits: policies that take ``token_map`` get [b-1, V'] logits over the draft vocabulary and its id
-map instead of full-vocabulary rows that are -inf outside it; trees, chains and outputs are the same."""
+"""Compact draft logits: a round's DraftBlock holds [b-1, V'] logits over the draft vocabulary and its id map instead
+of full-vocabulary rows that are -inf outside it; trees, chains and outputs are the same."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from conftest import make_draft, make_target, prompt
 from ddtree import build_tree, ddtree_generate
 from ddtree.build import reference_build_tree
 from dflash_core import Chain, autoregressive_generate, dflash_generate, speculative_generate
-from dflash_core.policy import LegacyPolicy
+from dflash_core.tree import DraftBlock
 
 
 def _compact_and_full(seed: int, depth: int = 6, subset: int = 300, vocab: int = 2000):
@@ -38,7 +38,8 @@ def test_build_tree_on_compact_logits_equals_the_full_vocabulary_tree(budget):
 
 def test_chain_on_compact_logits_maps_columns_to_target_ids():
     compact, full, token_map = _compact_and_full(5)
-    got, want = Chain().propose(compact, [], token_map=token_map), Chain().propose(full, [])
+    got = Chain().propose(DraftBlock(compact, token_map, 0, full.shape[1]), [0])
+    want = Chain().propose(DraftBlock(full, None, 0, full.shape[1]), [0])
     assert torch.equal(got.token_ids, want.token_ids)
     torch.testing.assert_close(got.log_probs, want.log_probs, rtol=0, atol=1e-5)
 
@@ -47,43 +48,6 @@ def test_a_wrong_sized_token_map_is_refused():
     compact, _, token_map = _compact_and_full(1)
     with pytest.raises(ValueError, match="one token id per logit column"):
         build_tree(compact, 8, token_map=token_map[:-1])
-
-
-class _Spy:
-    """A fixed-budget policy that records the shapes the loop hands it."""
-
-    uses_draft = True
-
-    def __init__(self, compact: bool):
-        self.name, self.shapes, self.maps = "spy", [], []
-        if compact:
-            self.propose = self._propose_compact
-
-    def propose(self, draft_logits, history):
-        self.shapes.append(tuple(draft_logits.shape))
-        return build_tree(draft_logits, 6)
-
-    def _propose_compact(self, draft_logits, history, token_map=None):
-        self.shapes.append(tuple(draft_logits.shape))
-        self.maps.append(token_map)
-        return build_tree(draft_logits, 6, token_map=token_map)
-
-
-def test_the_loop_hands_compact_logits_only_to_policies_that_take_the_map():
-    target = make_target(vocab=64)
-    draft = make_draft(target, block_size=4)
-    draft.set_draft_vocab(torch.arange(63, 23, -1))  # 40 of 64 target ids, most frequent first
-    ids = prompt(3, 10, 64)
-    plain = autoregressive_generate(target, ids, max_new_tokens=20).new_token_ids
-    outputs = {}
-    for compact in (False, True):
-        spy = _Spy(compact)
-        outputs[compact] = speculative_generate(target, draft, ids, spy, max_new_tokens=20).new_token_ids
-        assert set(spy.shapes) == {(3, 40 if compact else 64)}
-        if compact:
-            assert all(torch.equal(m.cpu(), draft.draft_vocab) for m in spy.maps)
-        assert LegacyPolicy(spy)._compact is compact  # older-contract policies: how they are called, read once
-    assert outputs[True] == outputs[False] == plain  # fp64: both equal plain decoding
 
 
 def test_generate_with_a_draft_vocabulary_equals_plain_decoding():

@@ -26,8 +26,8 @@ from conftest import make_draft, make_target, prompt
 from ddtree import ddtree_generate
 from ddtree.sampled import RecursiveRejection, SampledDraftTree, SampledTreePolicy
 from dflash_core import speculative_generate
-from dflash_core.markov import MarkovHead, MarkovScorer, attach_markov_head
-from dflash_core.policy import DraftBlock
+from dflash_core.model import MarkovHead, MarkovScorer, attach_markov_head
+from dflash_core.tree import DraftBlock
 from greedy_reference import exact_joint
 from test_decoding import chi_square_p
 from test_sampled_tree import SyntheticTarget
@@ -41,8 +41,8 @@ class Unconditioned(SampledTreePolicy):
     """Broken: children drawn from each node's conditioned q, but the tree hands the rule the block's unconditioned
     q of the children's depth (softmax(base[d] / T), the head's bias left out), as a headless drafter's tree would."""
 
-    def propose(self, block, history=None, token_map=None):
-        tree = super().propose(block, history, token_map)
+    def propose(self, block, history):
+        tree = super().propose(block, history)
         if len(tree) == 0 or block.scorer is None:
             return tree
         rows = torch.softmax(block.logits.double() / self.draft_temperature, dim=-1)  # [D, V'] per depth

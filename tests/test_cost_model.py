@@ -11,13 +11,13 @@ from dflash_core.target import TargetAdapter
 
 def test_cost_model_times_whole_rounds_at_the_callers_context(monkeypatch, tmp_path):
     import ddtree.budget as budget
-    import ddtree.candidates as candidates
+    import ddtree.build as build_module
     import dflash_core.decoding as decoding
 
     monkeypatch.setenv("DDTREE_CACHE", str(tmp_path))
     seen = {"build": [], "walk": 0, "compact": [], "prefill": []}
-    real_build, real_walk = candidates.build_tree, decoding.verify_walk
-    real_compact, real_forward = TargetAdapter.compact, TargetAdapter.forward
+    real_build, real_walk = build_module.build_tree, decoding.verify_walk
+    real_commit, real_forward = decoding.LiveModels.commit, TargetAdapter.forward
 
     def build(logits, n, token_map=None):
         seen["build"].append(n)
@@ -27,18 +27,18 @@ def test_cost_model_times_whole_rounds_at_the_callers_context(monkeypatch, tmp_p
         seen["walk"] += 1
         return real_walk(*args, **kwargs)
 
-    def compact(self, cache, start, keep):
-        seen["compact"].append(keep.tolist())
-        return real_compact(self, cache, start, keep)
+    def commit(self, seqs, paths, *args):
+        seen["compact"] += [[0] + [i + 1 for i in path] for path in paths]
+        return real_commit(self, seqs, paths, *args)
 
     def forward(self, token_ids, position_ids, cache, *args, **kwargs):
-        if self.cache_length(cache) == 0:
-            seen["prefill"].append(len(token_ids))
+        if cache.get_seq_length() == 0:
+            seen["prefill"].append(token_ids.shape[1])
         return real_forward(self, token_ids, position_ids, cache, *args, **kwargs)
 
-    monkeypatch.setattr(candidates, "build_tree", build)  # the tree auto builds at its cap
+    monkeypatch.setattr(build_module, "build_tree", build)  # the tree auto builds at its cap (best_tree's)
     monkeypatch.setattr(decoding, "verify_walk", walk)
-    monkeypatch.setattr(TargetAdapter, "compact", compact)
+    monkeypatch.setattr(decoding.LiveModels, "commit", commit)
     monkeypatch.setattr(TargetAdapter, "forward", forward)
     target = make_target("qwen3", vocab=64, dtype=torch.float32)
     draft = make_draft(target, block_size=5)

@@ -52,13 +52,11 @@ def test_switch_fallbacks_and_repacking():
     y = packed(x.requires_grad_())  # autograd recording: F.linear, gradients flow
     y.sum().backward()
     assert x.grad is not None and lin.weight.grad is not None
-    previous = set_packed_enabled(False)
-    try:
-        model = torch.nn.Sequential(packed)
-        assert active_kernels(model) == "torch"
-    finally:
-        set_packed_enabled(previous)
-    assert active_kernels(torch.nn.Sequential(packed)) == "packed"
+    model = torch.nn.Sequential(packed)
+    assert set_packed_enabled(False, model) is True and active_kernels(model) == "torch"
+    with torch.no_grad():
+        assert torch.equal(packed(x.detach()), torch.nn.functional.linear(x.detach(), lin.weight, lin.bias))
+    assert set_packed_enabled(True, model) is False and active_kernels(model) == "packed"
 
 
 def test_kernel_choice_errors(monkeypatch):

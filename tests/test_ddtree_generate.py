@@ -9,22 +9,21 @@ import pytest
 import torch
 
 import dflash_core.decoding as decoding
-import dflash_core.rounds as rounds
-from conftest import make_draft, make_target, prompt, record_masks
+from conftest import forward_one, make_draft, make_target, prompt, record_masks
 from ddtree import DraftTree, build_tree, ddtree_generate
-from dflash_core import autoregressive_generate, dflash_generate, speculative_generate
+from dflash_core import BlockPolicy, autoregressive_generate, dflash_generate, speculative_generate
 from dflash_core.target import TargetAdapter
-from dflash_core.decoding import compile_proposal
+from dflash_core.decoding import LiveModels, prefill
 from test_decoding import chi_square_p, exact_joint, lossy_follow
 
 
 # ---------------------------------------------------------------------------------------------- tree attention
-def _prefilled(target, length=9, seed=0):
+def _live(target, length=9, seed=0):
+    """The loop's live models for one prompt of ``length`` tokens, prefilled as the loop prefills."""
     adapter = TargetAdapter(target, (0, 2))
-    cache = adapter.new_cache()
-    p = prompt(seed, length, target.config.vocab_size)[0]
-    adapter.forward(p, torch.arange(length), cache)
-    return adapter, cache, p
+    p = prompt(seed, length, target.config.vocab_size)
+    cache, _, features = prefill(adapter, [p], True)
+    return adapter, LiveModels(adapter, None, cache, [length], features), p[0]
 
 
 def _root_path(tree: DraftTree, node: int) -> list[int]:
@@ -37,45 +36,46 @@ def _root_path(tree: DraftTree, node: int) -> list[int]:
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_tree_attention_equals_causal_forward_over_each_root_path(family):
+    """The loop's verify step: every node's logits and features equal a causal forward over its root path alone."""
     target = make_target(family, vocab=48, dtype=torch.float32)
-    adapter, cache, p = _prefilled(target)
+    adapter, models, p = _live(target)
     start = len(p)
     tree = build_tree(torch.randn(5, 48, generator=torch.Generator().manual_seed(3)) * 2, 24)
     assert tree.max_depth >= 3 and len(set(tree.depths.tolist())) >= 3
-    ids, pos, vis = compile_proposal(tree, root=7, start=start)
-    base = copy.deepcopy(cache)
-    out = adapter.forward(ids, pos, cache, visibility=vis)  # [n+1, V]
+    base = copy.deepcopy(models.cache)
+    logits = models.verify([0], [tree], [7])[0]  # [n+1, V]
+    features = models._features[0]
     for node in [-1] + list(range(len(tree))):
         path = _root_path(tree, node) if node >= 0 else []
         seq = torch.tensor([7] + [int(tree.token_ids[i]) for i in path])
-        ref = adapter.forward(seq, start + torch.arange(len(seq)), copy.deepcopy(base), visibility=None)
-        torch.testing.assert_close(out.logits[node + 1], ref.logits[-1], atol=2e-4, rtol=1e-4)
-        torch.testing.assert_close(out.features[node + 1], ref.features[-1], atol=2e-4, rtol=1e-4)
+        ref_logits, ref_features = forward_one(adapter, seq, start + torch.arange(len(seq)), copy.deepcopy(base))
+        torch.testing.assert_close(logits[node + 1], ref_logits[-1], atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(features[node + 1], ref_features[-1], atol=2e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_compaction_equals_fresh_forward_over_committed_tokens(family):
+    """The loop's commit step keeps exactly the root and a non-contiguous accepted path: the cache then equals a
+    fresh forward over the committed tokens."""
     target = make_target(family, vocab=48, dtype=torch.float64)
-    adapter, cache, p = _prefilled(target)
-    start = len(p)
+    adapter, models, p = _live(target)
     tree = build_tree(torch.randn(4, 48, generator=torch.Generator().manual_seed(5)) * 2, 25)
     deepest = int(torch.argmax(tree.depths))
     path = _root_path(tree, deepest)
     assert path != list(range(len(path)))  # a non-contiguous selection is exercised
-    ids, pos, vis = compile_proposal(tree, root=3, start=start)
-    adapter.forward(ids, pos, cache, visibility=vis)
-    adapter.compact(cache, start, torch.tensor([0] + [i + 1 for i in path]))
-    fresh = adapter.new_cache()
+    models.verify([0], [tree], [3])
+    models.commit([0], [path], [[]], [True])
+    cache, fresh = models.cache, adapter.new_cache()
     committed = torch.cat([p, torch.tensor([3] + [int(tree.token_ids[i]) for i in path])])
-    adapter.forward(committed, torch.arange(len(committed)), fresh)
-    assert adapter.cache_length(cache) == len(committed)
+    forward_one(adapter, committed, torch.arange(len(committed)), fresh)
+    assert cache.get_seq_length() == len(committed) == models.lengths[0]
     for got, want in zip(cache.layers, fresh.layers):
         torch.testing.assert_close(got.keys, want.keys)
         torch.testing.assert_close(got.values, want.values)
 
 
 # ---------------------------------------------------------------------------------------------- greedy losslessness
-class OracleTree:
+class OracleTree(BlockPolicy):
     """Test policy: a real best-first tree over logits in which the AR continuation is planted at random ranks.
 
     Depth d's reference token gets rank 0, 1 or 2 (or is left at its random rank), so the walk accepts paths through
@@ -88,8 +88,8 @@ class OracleTree:
         self.reference, self.prompt_len, self.budget = reference, prompt_len, budget
         self.rng = random.Random(seed)
 
-    def propose(self, draft_logits, history):
-        logits = draft_logits.clone()
+    def propose(self, block, history):
+        logits = block.full_logits().clone()
         pos = len(history) - self.prompt_len
         for d in range(logits.shape[0]):
             if pos + d >= len(self.reference) or self.rng.random() < 0.15:
@@ -101,20 +101,19 @@ class OracleTree:
         return build_tree(logits, self.budget)
 
 
-class MaskedProposal:
-    """A proposal that does not say it is a chain (no ``is_chain``): the loop verifies it under its ancestor mask."""
+class MaskedChain(DraftTree):
+    """A chain that does not say it is one: the loop verifies it under its ancestor mask."""
 
-    def __init__(self, tree: DraftTree) -> None:
-        self.tree, self.token_ids, self.parents, self.depths = tree, tree.token_ids, tree.parents, tree.depths
-
-    def visibility(self):
-        return self.tree.visibility()
-
-    def expected_acceptance(self) -> float:
-        return self.tree.expected_acceptance()
+    @property
+    def is_chain(self) -> bool:
+        return False
 
 
-class ChainAsTree:
+def MaskedProposal(tree: DraftTree) -> MaskedChain:
+    return MaskedChain(tree.token_ids, tree.parents, tree.depths, tree.log_probs)
+
+
+class ChainAsTree(BlockPolicy):
     """The DFlash chain verified through the tree mask instead of the causal path (``wrap``: the chain a policy
     proposes, e.g. an oracle's; default the drafter's top-1 chain)."""
 
@@ -123,10 +122,10 @@ class ChainAsTree:
     def __init__(self, wrap=None) -> None:
         self.wrap = wrap
 
-    def propose(self, draft_logits, history):
+    def propose(self, block, history):
         if self.wrap is not None:
-            return MaskedProposal(self.wrap.propose(draft_logits, history))
-        logp = torch.log_softmax(draft_logits.float(), -1)
+            return MaskedProposal(self.wrap.propose(block, history))
+        logp = torch.log_softmax(block.full_logits().float(), -1)
         best, tokens = logp.max(-1)
         n = len(tokens)
         return MaskedProposal(DraftTree(tokens, torch.arange(-1, n - 1), torch.arange(1, n + 1), best.cumsum(0)))
@@ -208,13 +207,13 @@ def test_trace_and_round_statistics():
 
 
 # ---------------------------------------------------------------------------------------------- T = 1
-class PeakedTree:
+class PeakedTree(BlockPolicy):
     """A confident, often wrong drafter: the same peaked logits every round, turned into a best-first tree."""
 
     name, uses_draft = "peaked-tree", True
 
-    def propose(self, draft_logits, history):
-        logits = torch.full_like(draft_logits, -4.0)
+    def propose(self, block, history):
+        logits = torch.full_like(block.full_logits(), -4.0)
         logits[:, 1] = 2.0
         logits[:, 2] = 1.0
         return build_tree(logits, 6)
@@ -246,7 +245,7 @@ def test_tree_sampling_matches_target_distribution(small_vocab_pair):
 
 def test_broken_tree_walk_is_detected(small_vocab_pair, monkeypatch):
     target, draft, p, probs = small_vocab_pair
-    monkeypatch.setattr(rounds, "follow", lossy_follow)
+    monkeypatch.setattr(decoding, "follow", lossy_follow)
     assert chi_square_p(_joint(target, draft, p, PeakedTree()), probs, N_SAMPLES) < 1e-3
 
 

@@ -8,25 +8,25 @@ import pytest
 import torch
 
 import dflash_core.decoding as decoding
-import dflash_core.rounds as rounds
 from conftest import make_draft, make_target, prompt
 from dflash_core import autoregressive_generate, dflash_generate, speculative_generate
-from dflash_core.tree import DraftTree
+from dflash_core.tree import BlockPolicy, Chain, DraftTree, NoDraft
 
 
-class OracleChain:
+class OracleChain(BlockPolicy):
     """Test policy: proposes the known AR continuation, corrupted at a random depth, so rounds accept 0..b-1 tokens.
 
     The random drafter of a tiny model almost never agrees with the target; this policy exercises every acceptance
     length, the cache compaction and the stop/max-token bookkeeping while the drafter still runs every round.
     """
 
-    name, uses_draft = "oracle-chain", True
+    name, uses_draft, proposes_chains = "oracle-chain", True, True
 
     def __init__(self, reference: list[int], prompt_len: int, seed: int) -> None:
         self.reference, self.prompt_len, self.rng = reference, prompt_len, random.Random(seed)
 
-    def propose(self, draft_logits: torch.Tensor, history: list[int]) -> DraftTree:
+    def propose(self, block, history: list[int]) -> DraftTree:
+        draft_logits = block.full_logits()
         depth = draft_logits.shape[0]
         pos = len(history) - self.prompt_len  # index in `reference` of the first token after the root
         tokens = list(self.reference[pos: pos + depth])
@@ -102,7 +102,7 @@ def test_input_validation_messages():
     with pytest.raises(ValueError, match="temperature"):
         autoregressive_generate(target, torch.zeros(1, 3, dtype=torch.long), temperature=-0.5)
     with pytest.raises(ValueError, match="needs a drafter"):
-        speculative_generate(target, None, torch.zeros(1, 3, dtype=torch.long), decoding.Chain())
+        speculative_generate(target, None, torch.zeros(1, 3, dtype=torch.long), Chain())
 
 
 # ---------------------------------------------------------------------------------------------- T = 1 distribution
@@ -138,13 +138,13 @@ def chi_square_p(counts: dict, probs: dict, n: int) -> float:
     return float(chi2.sf(stat, dof - 1))
 
 
-class PeakedChain:
+class PeakedChain(BlockPolicy):
     """Proposes the same fixed chain every round (a confident but often wrong drafter)."""
 
     name, uses_draft = "peaked", True
 
-    def propose(self, draft_logits, history):
-        return DraftTree.chain(torch.tensor([1, 2, 1, 2][: draft_logits.shape[0]]))
+    def propose(self, block, history):
+        return DraftTree.chain(torch.tensor([1, 2, 1, 2][: block.depth]))
 
 
 def lossy_follow(token_ids, parents, logits, temperature, generator):
@@ -184,13 +184,13 @@ N_SAMPLES = 1500
 
 def test_sampling_matches_target_distribution(small_vocab_pair):
     target, draft, p, probs = small_vocab_pair
-    for policy in (decoding.NoDraft(), decoding.Chain(), PeakedChain()):
+    for policy in (NoDraft(), Chain(), PeakedChain()):
         counts = sample_joint(target, draft, p, policy, N_SAMPLES)
         assert chi_square_p(counts, probs, N_SAMPLES) > 1e-3, policy.name
 
 
 def test_broken_acceptance_rule_is_detected(small_vocab_pair, monkeypatch):
     target, draft, p, probs = small_vocab_pair
-    monkeypatch.setattr(rounds, "follow", lossy_follow)
+    monkeypatch.setattr(decoding, "follow", lossy_follow)
     counts = sample_joint(target, draft, p, PeakedChain(), N_SAMPLES)
     assert chi_square_p(counts, probs, N_SAMPLES) < 1e-3

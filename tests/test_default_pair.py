@@ -66,7 +66,7 @@ def test_greedy_dflash_and_ddtree_equal_autoregressive_in_fp32(fp32_pair):
     from ddtree import ddtree_generate
     from dflash_core import autoregressive_generate, dflash_generate
     from dflash_core.default import stop_token_ids
-    from dflash_core.pools.catalog import build_chat
+    from dflash_core.training.pools.catalog import build_chat
 
     target, draft, tokenizer = fp32_pair
     stops = stop_token_ids(tokenizer)

@@ -9,21 +9,20 @@ import torch
     (3, 4, 8, [6, 7]), (1, 3, 8, [2, 3]), (2, 3, 8, [4, 5]), (5, 8, 8, [5]), (9, 16, 8, [1]),
 ])
 def test_each_rank_gets_its_own_share_of_the_gpus(local_rank, local_world, gpus, expected):
-    from experiments.bench.models import rank_gpus
+    from dflash_core.default import rank_gpus
 
     assert rank_gpus(local_rank, local_world, gpus) == expected
 
 
 def test_pick_device_makes_only_the_ranks_own_gpu_current(monkeypatch):
     from experiments.bench import ranks
-    from experiments.bench.models import pick_device
 
     current = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: current.append(torch.device(d)))
-    assert pick_device("cuda", local_rank=1, local_world=2) == torch.device("cuda", 4)
-    assert pick_device("cuda:6", local_rank=0, local_world=2) == torch.device("cuda", 6)  # explicit: made current too
+    assert ranks.pick_device("cuda", ranks.RankInfo(1, 2, 1, 2)) == torch.device("cuda", 4)
+    assert ranks.pick_device("cuda:6", ranks.RankInfo(0, 2, 0, 2)) == torch.device("cuda", 6)  # explicit: current too
     assert ranks.pick_device("auto", ranks.RankInfo(3, 4, 3, 4)) == torch.device("cuda", 6)
     assert current == [torch.device("cuda", 4), torch.device("cuda", 6), torch.device("cuda", 6)]
 
@@ -43,7 +42,7 @@ class _FakeEvent:
 
 def test_cuda_events_record_on_the_stream_of_the_models_device(monkeypatch):
     from dflash_core.timing import median_seconds
-    from dflash_core.timing import StageTimer
+    from dflash_core.decoding import StageTimer
 
     synced = []
     _FakeEvent.log = []
@@ -70,8 +69,7 @@ def test_auto_is_cuda_when_available_and_cuda_without_it_is_a_clear_error(monkey
 
 
 @pytest.mark.parametrize("module", ["experiments.studies.profile_round", "experiments.studies.auto_budget_study",
-                                    "experiments.studies.pld_compare", "experiments.studies.gpu_check",
-                                    "experiments.studies.gpu_run"])
+                                    "experiments.studies.gpu_check", "experiments.studies.gpu_run"])
 def test_every_tool_takes_a_device_defaulting_to_auto(module, capsys):
     """No tool runs on the CPU of a GPU box unasked: each has --device, and it defaults to auto."""
     import importlib

@@ -1,5 +1,5 @@
 """Direct tests of public helpers that other tests only ran through larger paths: the optimizer step and the LR
-schedule, target_fingerprint, check_tree_attention and the timing cache helpers."""
+schedule, target_fingerprint, check_mask_backend and the timing cache helpers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from conftest import make_draft, make_target, prompt
 from dflash_core import IncompatibleModelError
-from dflash_core.target import check_tree_attention
+from dflash_core.target import check_mask_backend
 from dflash_core.timing import cache_path, cached_json, machine_key, read_cached_json, write_cached_json
 from dflash_core.training.train_config import TrainConfig
 from dflash_core.training.loop import _lr_factor, optimizer_step
@@ -65,14 +65,17 @@ def test_target_fingerprint_names_the_config_and_the_weights():
     assert target_fingerprint(same) != target_fingerprint(a)
 
 
-def test_check_tree_attention_accepts_mask_backends_and_names_the_fix_otherwise():
+def test_check_mask_backend_accepts_mask_backends_and_names_the_fix_otherwise():
     target = make_target("llama", vocab=16)
     for backend in ("sdpa", "eager"):
         target.config._attn_implementation = backend
-        check_tree_attention(target)
+        assert check_mask_backend(target, batch=4) is True
     target.config._attn_implementation = "flash_attention_2"
     with pytest.raises(IncompatibleModelError, match="attn_implementation='sdpa'.*budget='chain'"):
-        check_tree_attention(target)
+        check_mask_backend(target)
+    with pytest.raises(IncompatibleModelError, match="a batch of prompts"):
+        check_mask_backend(target, batch=2, chains_only=True)
+    assert check_mask_backend(target, batch=1, chains_only=True) is False
 
 
 def test_timing_cache_helpers_round_trip_and_recover_from_damage(tmp_path, monkeypatch):

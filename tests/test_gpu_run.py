@@ -144,7 +144,7 @@ def test_a_spent_time_budget_skips_the_remaining_steps(tmp_path):
 
 
 def test_oracle_trees_catch_a_prefix_compaction_that_random_trees_miss(monkeypatch):
-    from dflash_core import rounds
+    from dflash_core.decoding import LiveModels
     from experiments.studies import gpu_check
     from experiments.studies.gpu_run.steps import tiny_pair
 
@@ -153,12 +153,12 @@ def test_oracle_trees_catch_a_prefix_compaction_that_random_trees_miss(monkeypat
                                  lossless_tokens=16, lossless_budgets=("chain", 32))
     intact = gpu_check.exactness_check(target, draft, config)
     assert intact["exact_match"] == intact["runs_total"] and intact["oracle_mean_tau"] > 2.5
-    real = rounds.commit_path
+    real = LiveModels.commit
 
-    def prefix_compaction(adapter, cache, start, path, features, carried=None):  # keeps nodes 0..k-1, not the path
-        return real(adapter, cache, start, list(range(len(path))), features, carried)
+    def prefix_compaction(self, seqs, paths, committed, drafted):  # keeps nodes 0..k-1, not the path
+        return real(self, seqs, [list(range(len(p))) for p in paths], committed, drafted)
 
-    monkeypatch.setattr(rounds, "commit_path", prefix_compaction)
+    monkeypatch.setattr(LiveModels, "commit", prefix_compaction)
     broken = gpu_check.exactness_check(target, draft, config)
     oracle = [r for r in broken["runs"] if r["policy"] == "oracle" and r["budget"] == 32]
     assert not any(r["match"] for r in oracle)  # the true path is never the first branch: caught

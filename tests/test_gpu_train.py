@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from conftest import make_draft, make_target
-from dflash_core.markov import attach_markov_head
-from dflash_core.model import load_draft
+from dflash_core.model import attach_markov_head, load_draft
 from experiments.studies.gpu_train.arms import ARMS, apply_arm, deepen, strip_markov, widen_vocab
 from experiments.studies.gpu_train.pack import join, split_drafter
 from experiments.studies.gpu_train.run import _choose, summarise

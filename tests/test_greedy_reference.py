@@ -71,7 +71,7 @@ def test_trees_equal_the_reference(family, pairs):
 def test_auto_and_chain_auto_equal_the_reference(family, pairs):
     for target, draft, p, ref, stop, stopped in _cases(family, pairs):
         for budget, cost in (("auto", FLAT), ("auto", STEEP), ("chain-auto", FLAT)):
-            policy = make_policy(budget, target, draft, cost=cost, cap=16, share_memory=False, online=False)
+            policy = make_policy(budget, target, draft, cost=cost, cap=16, online=False)
             out = ddtree_generate(target, draft, p, max_new_tokens=NEW, policy=policy, stop_token_ids=[stop])
             assert out.new_token_ids == stopped, (budget, cost)
         assert max(out.tree_sizes) >= 2  # the flat curve verified more than one node
@@ -82,7 +82,7 @@ def test_lookup_trees_and_rounds_without_the_drafter_equal_the_reference(family,
     for target, draft, p, ref, stop, stopped in _cases(family, pairs):
         assert lookup_generate(target, p, NEW).new_token_ids == ref
         assert speculative_generate(target, draft, p, LookupTreePolicy(8), NEW).new_token_ids == ref
-        auto = make_policy("auto", target, draft, cost=FLAT, cap=16, share_memory=False, online=False)
+        auto = make_policy("auto", target, draft, cost=FLAT, cap=16, online=False)
         assert speculative_generate(target, draft, p, LookupTreePolicy(auto), NEW,
                                     stop_token_ids=[stop]).new_token_ids == stopped
         skipping = LookupTreePolicy(8)

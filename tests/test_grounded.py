@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from dflash_core.pools import catalog, grounded
-from dflash_core.pools.catalog import (
+from dflash_core.training.pools import catalog, grounded
+from dflash_core.training.pools.catalog import (
     KNOWN_DATASETS, OFFLINE_DATASETS, benchmark_pool_ids, benchmark_split, build_chat, load_dataset, select_items,
     training_split,
 )
-from dflash_core.pools.items import shingles
+from dflash_core.training.pools.items import shingles
 from dflash_core.training.textcorpus import EXCLUDED_DISTRIBUTIONS, TextSource, iter_items
 
 # sha256 of [[sample_id, turns], ...]: the pool changes only on purpose (a new GROUNDED_SEED, new rules, new pins)
@@ -62,11 +62,7 @@ def test_every_prompt_quotes_its_input(items):
 
 
 def test_deterministic_and_fingerprinted(items):
-    catalog._pool.cache_clear()
-    try:
-        again = grounded.load_grounded(benchmark_split, training_split)
-    finally:
-        catalog._pool.cache_clear()
+    again = grounded.load_grounded(benchmark_split, training_split)
     assert [(i.sample_id, i.turns) for i in again] == [(i.sample_id, i.turns) for i in items]
     blob = json.dumps([[i.sample_id, i.turns] for i in items]).encode()
     assert hashlib.sha256(blob).hexdigest()[:16] == POOL_FINGERPRINT

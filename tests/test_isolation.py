@@ -1,8 +1,8 @@
-"""What conftest's autouse fixture promises every test: no shared ``auto`` memory and no measured cache left by the
-tests before it, and no branch taken on the wall clock.
+"""What conftest's autouse fixture promises every test: no measured cache left by the tests before it, and no branch
+taken on the wall clock (``auto`` keeps no state between calls at all: tests/test_auto_memory.py).
 
 The first two tests run in this order in one process (pytest keeps a file's order, and xdist hands a file to one
-worker): the first leaves memory and a cached curve behind, the second must not see them. The third makes the
+worker): the first leaves a cached curve behind, the second must not see it. The third makes the
 machine's clock as erratic as a loaded machine can make it, differently in two runs, and asks for the same rounds.
 """
 
@@ -14,7 +14,6 @@ import time
 import pytest
 import torch
 
-import ddtree.budget as budget
 from conftest import make_draft, make_target
 from ddtree import ddtree_generate
 from dflash_core.timing import cache_root
@@ -24,28 +23,23 @@ REPETITIVE = torch.tensor([[1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2]])  # the l
 
 @pytest.fixture(scope="module")
 def pair():
-    """Models that outlive a test, as module fixtures' do: memory keyed by them stays reachable (it is dropped with
-    its models otherwise)."""
+    """Models that outlive a test, as module fixtures' do."""
     target = make_target("llama", vocab=8, init=0.3)
     return target, make_draft(target, block_size=5)
 
 
-def _leftovers() -> tuple[int, list[str]]:
-    costs = cache_root() / "costs"
-    return len(budget._SHARED_MEMORY) + len(budget._SHARED_CURVES), sorted(p.name for p in costs.glob("*.json"))
+def _leftovers() -> list[str]:
+    return sorted(p.name for p in (cache_root() / "costs").glob("*.json"))
 
 
-def test_a_generation_leaves_shared_memory_and_a_cached_curve(pair):
+def test_a_generation_leaves_a_cached_curve(pair):
     target, draft = pair
     ddtree_generate(target, draft, REPETITIVE, budget="auto", max_new_tokens=16)
-    shared, cached = _leftovers()
-    assert shared > 0 and len(cached) == 1  # what the next test must not inherit
+    assert len(_leftovers()) == 1  # what the next test must not inherit
 
 
-def test_the_next_test_starts_without_them(pair):
-    shared, cached = _leftovers()
-    assert shared == 0, "shared auto memory left by an earlier test"
-    assert cached == [], "a cost curve cached by an earlier test"
+def test_the_next_test_starts_without_it(pair):
+    assert _leftovers() == [], "a cost curve cached by an earlier test"
 
 
 def _erratic_wall_clock(monkeypatch, seed: int) -> None:
@@ -66,7 +60,6 @@ def test_lookup_and_auto_rounds_do_not_depend_on_the_wall_clock(pair, monkeypatc
     target, draft = pair
     runs = []
     for seed in range(2):
-        budget.forget_shared_memory()  # each run learns from scratch
         for path in (cache_root() / "costs").glob("*.json"):
             path.unlink()  # and measures its curve again
         with monkeypatch.context() as m:

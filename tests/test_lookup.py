@@ -121,13 +121,14 @@ def test_auto_with_lookup_ranks_both_sources_and_learns_from_the_drafters_nodes(
     from ddtree.budget import AutoBudget
     from ddtree.cost import CostModel
     from ddtree.lookup import LookupTreePolicy
+    from dflash_core.tree import DraftBlock
 
     flat = CostModel(nodes=(0, 8, 32), verify_s=(0.01, 0.01, 0.01), fixed_s=0.001)  # verifying is free here
     policy = LookupTreePolicy(AutoBudget(flat, cap=16))
     logits = torch.full((4, 8), -4.0)
     logits[:, 3] = 4.0  # the drafter is sure of token 3 at every depth
     history = [1, 2, 5, 6, 1, 2]  # the suffix (1, 2) occurred before, followed by 5, 6, 1, 2
-    tree = policy.propose(logits, history).validate(best_first=True)
+    tree = policy.propose(DraftBlock(logits, None, history[-1], 8), history).validate(best_first=True)
     paths = {tuple(p) for p in _paths(tree)}
     assert (3, 3, 3, 3) in paths and (5, 6, 1, 2) in paths  # both sources made it into one tree
     paths = _paths(tree)

@@ -13,10 +13,10 @@ import torch
 
 from conftest import make_draft, make_target, prompt
 from ddtree import build_tree, ddtree_generate
-from ddtree.conditioned import build_conditioned_tree, build_markov_tree, reference_conditioned_tree
+from ddtree.build import build_conditioned_tree, build_markov_tree, reference_conditioned_tree
 from ddtree.generate import FixedBudget
 from dflash_core import BlockPolicy, Chain, autoregressive_generate, dflash_generate, load_draft, speculative_generate
-from dflash_core.markov import MarkovHead, MarkovScorer, attach_markov_head, draft_index, markov_scorer
+from dflash_core.model import MarkovHead, MarkovScorer, attach_markov_head, draft_index, markov_scorer
 from dflash_core.replay import replay_generate
 from dflash_core.tree import DraftTree
 
@@ -108,7 +108,7 @@ def _tiny_scorer(seed: int, kind: str):
 def test_markov_tree_equals_brute_force(kind, wave, floor, monkeypatch):
     """The loop's builder (batched waves, the likely parents guessed first) against every path scored one by one:
     whatever the wave size and the guess (none, all depths), the tree is the best one."""
-    import ddtree.conditioned as conditioned
+    import ddtree.build as conditioned
 
     monkeypatch.setattr(conditioned, "WAVE", wave)
     monkeypatch.setattr(conditioned, "PREFETCH_FLOOR", floor)
@@ -137,6 +137,38 @@ def test_batched_children_equal_one_by_one():
         values, columns = scorer.known[(depth, column)]
         assert columns.tolist() == np.argsort(-row, kind="stable")[:4].tolist()
         assert np.allclose(values, row[columns], atol=1e-6)
+
+
+def _table_scorer(base: torch.Tensor, table: torch.Tensor) -> MarkovScorer:
+    """A scorer whose head adds ``table[prev]`` (a [V'+1, V'] bias per previous draft column; row V' for the root)
+    to each depth's logits: an exact, hand-written Markov head (rank V', identity output)."""
+    vocab = base.shape[1]
+    head = MarkovHead(vocab, 4, vocab, "token")
+    with torch.no_grad():
+        head.embed.weight.copy_(table)
+        head.out.weight.copy_(torch.eye(vocab))
+    return MarkovScorer(head, base, torch.zeros(base.shape[0], 4), lambda ids: np.asarray(ids))
+
+
+def test_a_larger_build_never_uses_rows_a_smaller_one_cut_short():
+    """A small build keeps few children per distribution; a larger build of the same round must not take them as
+    complete. Depth 1 is sure of column 0; after it depth 2 is sure of column 1 (not the unconditioned favourite, so
+    no prefetch guess covers it), and after column 1 depth 3 is flat: the 16-node tree takes 14 of its children."""
+    vocab = 16
+    base = torch.zeros(3, vocab)
+    base[0, 0], base[1, 5], base[2, 7] = 30.0, 3.0, 5.0
+    table = torch.zeros(vocab + 1, vocab)
+    table[0, 1] = 30.0  # after column 0, depth 2 takes column 1
+    table[1, 7] = -5.0  # after column 1, depth 3 is flat
+    root = vocab  # outside the draft vocabulary: the bias row of the root
+    want = build_markov_tree(_table_scorer(base, table), 16, root)
+    assert want.depths.tolist().count(3) == 14 and want.parents.tolist().count(1) == 14
+    scorer = _table_scorer(base, table)
+    build_markov_tree(scorer, 4, root)  # leaves depth 3's row after column 1 with 4 children
+    assert len(scorer.known[(3, 1)][0]) == 4
+    got = build_markov_tree(scorer, 16, root)
+    assert all(torch.equal(x, y) for x, y in ((got.token_ids, want.token_ids), (got.parents, want.parents),
+                                              (got.depths, want.depths), (got.log_probs, want.log_probs)))
 
 
 def test_a_new_head_changes_nothing_until_trained():

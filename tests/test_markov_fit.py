@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import make_draft, make_target
-from dflash_core.markov import attach_markov_head
+from dflash_core.model import attach_markov_head
 from dflash_core.training.anchors import sample_anchors
 from dflash_core.training.train_config import TrainConfig
 from dflash_core.training.loss import draft_loss, target_features

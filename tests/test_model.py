@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import make_draft, make_target
+from conftest import forward_one, make_draft, make_target
 from dflash_core.config import DFlashConfig, build_target_layer_ids
 from dflash_core.model import DraftCache
 from dflash_core.target import TargetAdapter
@@ -171,13 +171,14 @@ def test_adapter_causal_mask_reproduces_plain_forward():
     adapter = TargetAdapter(target, (1,))
     ids = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(0))
     c1, c2 = adapter.new_cache(), adapter.new_cache()
-    adapter.forward(ids[:5], torch.arange(5), c1)
-    adapter.forward(ids[:5], torch.arange(5), c2)
-    plain = adapter.forward(ids[5:], torch.arange(5, 12), c1)
-    masked = adapter.forward(ids[5:], torch.arange(5, 12), c2, visibility=torch.ones(7, 7, dtype=torch.bool).tril())
-    torch.testing.assert_close(masked.logits, plain.logits, atol=1e-5, rtol=1e-5)
+    forward_one(adapter, ids[:5], torch.arange(5), c1)
+    forward_one(adapter, ids[:5], torch.arange(5), c2)
+    plain, _ = forward_one(adapter, ids[5:], torch.arange(5, 12), c1)
+    causal = torch.ones(7, 7, dtype=torch.bool).tril()
+    masked, _ = forward_one(adapter, ids[5:], torch.arange(5, 12), c2, visibility=causal)
+    torch.testing.assert_close(masked, plain, atol=1e-5, rtol=1e-5)
     adapter.crop(c1, 8)
-    assert adapter.cache_length(c1) == 8
+    assert c1.get_seq_length() == 8
 
 
 def reference_forward(draft: DFlashDraftModel, block: torch.Tensor, context: torch.Tensor,

@@ -216,7 +216,7 @@ def test_dry_run_with_a_local_target_folder_and_the_hub_datasets(tmp_path, offli
 def test_each_hub_dataset_is_checked_for_its_own_package_and_cache(tmp_path, monkeypatch):
     import inspect
 
-    from dflash_core.pools import catalog
+    from dflash_core.training.pools import catalog
     from experiments.bench import plan_sources
     cache = tmp_path / "hf-cache"
     cache.mkdir()
@@ -242,7 +242,7 @@ def test_each_hub_dataset_is_checked_for_its_own_package_and_cache(tmp_path, mon
     plans = {d.name: d for d in plan_sources.dataset_plans(preset)}
     assert plans["livecodebench"].status == plans["alpaca"].status == "available"
     assert "local Hugging Face cache" in plans["alpaca"].detail and plans["mbpp"].status == "unavailable"
-    # the repositories and packages follow the loaders in dflash_core/pools/catalog.py
+    # the repositories and packages follow the loaders in dflash_core/training/pools/catalog.py
     assert set(plan_sources._HUB_SOURCES) == set(catalog.HUB_DATASETS)
     for name, (repo, package) in plan_sources._HUB_SOURCES.items():
         source = inspect.getsource(catalog._LOADERS[name])

@@ -11,7 +11,8 @@ import torch
 from conftest import make_draft, make_target, prompt
 from ddtree import DraftTree, build_tree, ddtree_generate
 from dflash_core import autoregressive_generate, check_compatibility, dflash_generate, load_draft
-from dflash_core.decoding import compile_proposal
+from dflash_core.decoding import tree_inputs
+from dflash_core.tree import BlockPolicy
 from dflash_core.replay import replay_generate
 
 
@@ -23,7 +24,7 @@ def test_the_documented_names_import_from_the_package_roots():
                  "LookupTreePolicy", "make_policy"):
         assert name in ddtree.__all__ and hasattr(ddtree, name), name
     for name in ("DFlashDraftModel", "load_draft", "load_default_pair", "autoregressive_generate", "dflash_generate",
-                 "speculative_generate", "lookup_generate", "GenerationResult", "ProposalPolicy"):
+                 "speculative_generate", "lookup_generate", "GenerationResult", "BlockPolicy", "DraftBlock"):
         assert name in dflash_core.__all__ and hasattr(dflash_core, name), name
     assert len(ddtree.__all__) <= 10 and len(dflash_core.__all__) <= 14  # small on purpose
 
@@ -67,18 +68,18 @@ def test_trees_from_paths_without_log_probs_do_not_invent_an_expected_acceptance
 def test_a_chain_is_a_draft_tree_verified_without_a_mask():
     chain = DraftTree.chain([4, 2, 9], [-0.1, -0.2, -0.3])
     assert chain.is_chain and not DraftTree.from_paths([(0,), (1,)]).is_chain
-    ids, positions, visibility = compile_proposal(chain, root=5, start=10)
+    ids, positions, visibility = tree_inputs(chain, root=5, start=10)
     assert visibility is None and ids.tolist() == [5, 4, 2, 9] and positions.tolist() == [10, 11, 12, 13]
     assert chain.expected_acceptance() == pytest.approx(1 + sum(math.exp(x) for x in (-0.1, -0.3, -0.6)))
 
 
-class ZeroBasedDepths:
+class ZeroBasedDepths(BlockPolicy):
     """A policy with the classic mistake: depths counted from 0."""
 
     name, uses_draft = "zero-based", True
 
-    def propose(self, draft_logits, history):
-        tree = build_tree(draft_logits, 4)
+    def propose(self, block, history):
+        tree = build_tree(block.full_logits(), 4)
         return DraftTree(tree.token_ids, tree.parents, tree.depths - 1, tree.log_probs)
 
 
@@ -87,7 +88,7 @@ def test_the_loop_refuses_a_policy_with_zero_based_depths(check_trees):
     target = make_target(vocab=64)
     draft = make_draft(target)
     ids = prompt(1, 8, 64)
-    with pytest.raises(ValueError, match="'zero-based' proposed an invalid tree at node 0 .*depth 0"):
+    with pytest.raises(ValueError, match="'zero-based' proposed an invalid tree: node 0 has depth 0"):
         ddtree_generate(target, draft, ids, policy=ZeroBasedDepths(), max_new_tokens=8, check_trees=check_trees)
 
 

@@ -8,7 +8,7 @@ import torch
 from conftest import make_draft, make_target, prompt
 from ddtree import ddtree_generate
 from ddtree.generate import make_policy
-from dflash_core import autoregressive_generate
+from dflash_core import BlockPolicy, autoregressive_generate
 from dflash_core.replay import draft_hidden_all_rounds, replay, replay_policies
 
 
@@ -58,7 +58,7 @@ def test_replay_evaluator_equals_the_live_evaluator():
     assert replayed["tau"] == pytest.approx(live["tau"], abs=1e-12) and live["tau"] > 1.0
 
 
-class _Recording:
+class _Recording(BlockPolicy):
     """A fixed-budget policy that records what the loop tells it after every round."""
 
     uses_draft = True
@@ -66,10 +66,10 @@ class _Recording:
     def __init__(self, budget: int) -> None:
         self.inner, self.name, self.seen = make_policy(budget), f"recording-{budget}", []
 
-    def propose(self, draft_logits, history):
-        return self.inner.propose(draft_logits, history)
+    def propose(self, block, history):
+        return self.inner.propose(block, history)
 
-    def observe(self, accepted, path):
+    def observe(self, path):
         self.seen.append(list(path))
 
 
@@ -91,7 +91,7 @@ def test_loop_and_replay_report_the_same_committed_nodes_when_a_round_is_cut():
             assert len(path) <= committed  # never a node past the cut
 
 
-class SkipsSomeRounds:
+class SkipsSomeRounds(BlockPolicy):
     """Fixed budget 6, but every round whose history length is divisible by 3 skips the drafter (and verifies no
     draft: the bonus only), so the features of committed positions pile up between two drafted rounds."""
 
@@ -100,11 +100,11 @@ class SkipsSomeRounds:
     def wants_draft(self, history):
         return len(history) % 3 != 0
 
-    def propose(self, draft_logits, history, token_map=None):
+    def propose(self, block, history):
         from ddtree import build_tree
         from dflash_core.tree import DraftTree
 
-        return DraftTree.empty() if draft_logits is None else build_tree(draft_logits, 6, token_map=token_map)
+        return DraftTree.empty() if block is None else build_tree(block.logits, 6, token_map=block.token_map)
 
 
 def test_rounds_without_the_drafter_carry_the_unconsumed_features_to_the_next_draft(family):

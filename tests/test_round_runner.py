@@ -1,6 +1,6 @@
-"""The round runner on a scripted target side: what the live loop and replay share, checked without any model.
+"""The decode loop on scripted models: what the live loop and replay share, checked without any model.
 
-The scripted side verifies against a fixed "true" continuation (one-hot logits) and records every call, so each rule
+The scripted models verify against a fixed "true" continuation (one-hot logits) and records every call, so each rule
 of a round is visible: the drafter runs only when the policy wants it, the walk accepts the longest matching path,
 a stop token or the length limit cuts the committed tokens, the policy hears only the committed nodes, and the
 target side commits exactly what the result books.
@@ -10,37 +10,40 @@ from __future__ import annotations
 
 import torch
 
-from dflash_core.decoding import GenerationResult, RoundRunner, speculative_generate
-from dflash_core.policy import BlockPolicy
+from dflash_core.decoding import GenerationResult, SequenceDecoder, StageTimer, run_rounds, speculative_generate
 from dflash_core.replay import replay_generate
-from dflash_core.tree import DraftTree
+from dflash_core.tree import BlockPolicy, DraftTree
 
 VOCAB = 20
 TRUE = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 3]  # the target's continuation after the prompt
 
 
-class ScriptedTarget:
-    """Verifies against ``TRUE``: after a node at depth d the target's choice is the token d + 1 past the root."""
+class ScriptedModels:
+    """One sequence's models verifying against ``TRUE``: after a node at depth d the target's choice is the token
+    d + 1 past the root."""
 
     def __init__(self) -> None:
         self.pos = 0  # index in TRUE of the current root
         self.calls: list[tuple] = []
 
-    def draft(self, root: int):
-        self.calls.append(("draft", root))
-        return f"block@{root}"
+    def draft(self, seqs, roots):
+        self.calls.append(("draft", roots[0]))
+        return [f"block@{roots[0]}"]
 
-    def verify(self, proposal, root: int) -> torch.Tensor:
-        self.calls.append(("verify", root, proposal.token_ids.tolist()))
-        depths = [0] + proposal.depths.tolist()
+    def verify(self, seqs, trees, roots) -> list[torch.Tensor]:
+        self.calls.append(("verify", roots[0], trees[0].token_ids.tolist()))
+        depths = [0] + trees[0].depths.tolist()
         logits = torch.zeros(len(depths), VOCAB)
         for row, d in enumerate(depths):
             logits[row, TRUE[self.pos + d + 1]] = 1.0
-        return logits
+        return [logits]
 
-    def commit(self, path: list[int], committed: list[int], drafted: bool) -> None:
-        self.calls.append(("commit", list(path), list(committed), drafted))
-        self.pos += len(committed)
+    def commit(self, seqs, paths, committed, drafted) -> None:
+        self.calls.append(("commit", list(paths[0]), list(committed[0]), drafted[0]))
+        self.pos += len(committed[0])
+
+    def finish(self, seqs) -> None:
+        self.calls.append(("finish", seqs))
 
 
 class EveryOtherRound(BlockPolicy):
@@ -69,12 +72,13 @@ class EveryOtherRound(BlockPolicy):
 def _run(policy, side, stops, max_new_tokens):
     history = [1, 2, TRUE[0]]  # a 2-token prompt and the prefill's token (odd length: round 1 skips the drafter)
     result = GenerationResult([TRUE[0]], [], {}, 2)
-    RoundRunner(policy, side, stops=stops, max_new_tokens=max_new_tokens).run(history, result)
+    decoder = SequenceDecoder(policy, stops=stops, max_new_tokens=max_new_tokens)
+    run_rounds([decoder], side, [history], [result], StageTimer(enabled=False))
     return history, result
 
 
 def test_a_round_drafts_only_when_asked_and_commits_the_walk_cut_at_a_stop():
-    policy, side = EveryOtherRound(), ScriptedTarget()
+    policy, side = EveryOtherRound(), ScriptedModels()
     history, result = _run(policy, side, stops={11}, max_new_tokens=50)
     # round 1 (no drafter): the bonus 6; round 2: 7, 8 accepted, 0 rejected, bonus 9; round 3 (no drafter): 10;
     # round 4: 11 and 12 accepted, but 11 is a stop token: 12 and the bonus are cut and the policy hears node 0 only
@@ -89,29 +93,39 @@ def test_a_round_drafts_only_when_asked_and_commits_the_walk_cut_at_a_stop():
 
 
 def test_the_length_limit_cuts_a_round_and_a_finished_start_runs_none():
-    policy, side = EveryOtherRound(), ScriptedTarget()
+    policy, side = EveryOtherRound(), ScriptedModels()
     _, result = _run(policy, side, stops=set(), max_new_tokens=3)
     assert result.acceptance_lengths == [1, 1] and result.new_token_ids == TRUE[:3]  # round 2 keeps 7 of 7, 8, 9
     assert policy.observed == [[], [0]]
     for stops, limit in (({TRUE[0]}, 50), (set(), 1)):  # the prefill's token is a stop, or already the limit
-        side = ScriptedTarget()
+        side = ScriptedModels()
         history, result = _run(EveryOtherRound(), side, stops=stops, max_new_tokens=limit)
-        assert result.acceptance_lengths == [] and side.calls == [] and history == [1, 2, TRUE[0]]
+        assert result.acceptance_lengths == [] and side.calls == [("finish", [0])] and history == [1, 2, TRUE[0]]
 
 
 def test_the_live_loop_and_replay_run_the_same_rounds(monkeypatch):
-    """Both drive RoundRunner's walk, once per booked round (a replay with its own loop body fails this)."""
+    """Both drive the loop's one round (run_rounds, SequenceDecoder.walk once per booked round): a replay with its
+    own loop body fails this."""
+    import dflash_core.decoding as decoding
     from conftest import make_draft, make_target, prompt
-    from dflash_core.decoding import Chain
+    from dflash_core.tree import Chain
 
     seen = []
-    real = RoundRunner.walk
+    real_walk, real_rounds = SequenceDecoder.walk, decoding.run_rounds
 
-    def counted(self, proposal, logits, result):
-        seen.append(type(self.target).__name__)
-        return real(self, proposal, logits, result)
+    def counted(self, tree, logits, result):
+        seen.append(current[-1])
+        return real_walk(self, tree, logits, result)
 
-    monkeypatch.setattr(RoundRunner, "walk", counted)
+    def rounds(decoders, models, *args, **kwargs):
+        current.append(type(models).__name__)
+        return real_rounds(decoders, models, *args, **kwargs)
+
+    current: list[str] = []
+    monkeypatch.setattr(SequenceDecoder, "walk", counted)
+    monkeypatch.setattr(decoding, "run_rounds", rounds)
+    import dflash_core.replay as replay
+    monkeypatch.setattr(replay, "run_rounds", rounds)
     target = make_target("llama", vocab=64)
     draft = make_draft(target, block_size=4)
     ids = prompt(3, 8, 64)
@@ -119,5 +133,5 @@ def test_the_live_loop_and_replay_run_the_same_rounds(monkeypatch):
     n_plain = len(seen)  # replay_generate runs plain decoding (one round per token) before replaying
     replayed = replay_generate(target, draft, ids, Chain(), max_new_tokens=14)
     assert replayed.acceptance_lengths == live.acceptance_lengths
-    assert seen[:n_plain] == ["LiveTarget"] * n_plain and n_plain == len(live.acceptance_lengths)
-    assert seen[n_plain:] == ["LiveTarget"] * 13 + ["TeacherForcedTarget"] * len(live.acceptance_lengths)
+    assert seen[:n_plain] == ["LiveModels"] * n_plain and n_plain == len(live.acceptance_lengths)
+    assert seen[n_plain:] == ["LiveModels"] * 13 + ["TeacherForcedModels"] * len(live.acceptance_lengths)

@@ -31,7 +31,7 @@ def test_auto_and_chain_auto_reproduce_plain_sampling(monkeypatch):
             ref = autoregressive_generate(target, p, 30, temperature=temperature, seed=seed).new_token_ids
             for budget in ("auto", "chain-auto"):
                 policy = make_policy(budget, target, draft, temperature=temperature, cost=FLAT, cap=16,
-                                     share_memory=False, online=False)
+                                     online=False)
                 out = ddtree_generate(target, draft, p, max_new_tokens=30, temperature=temperature, seed=seed,
                                       policy=policy)
                 assert out.new_token_ids == ref, (budget, temperature, seed)

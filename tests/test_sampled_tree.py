@@ -25,6 +25,7 @@ from conftest import make_draft, make_target, prompt
 from ddtree import SampledTreePolicy, ddtree_generate
 from ddtree.sampled import RecursiveRejection, SampledDraftTree, sample_tree
 from dflash_core import autoregressive_generate, speculative_generate
+from dflash_core.tree import DraftBlock
 from test_decoding import chi_square_p, exact_joint
 
 F64 = torch.float64
@@ -246,7 +247,7 @@ def test_sampled_children_follow_the_drafter():
     firsts, seconds = torch.zeros(4), torch.zeros(4)
     n = 4000
     for _ in range(n):
-        tree = policy.propose(logits)
+        tree = policy.propose(block_of(logits), [])
         firsts[int(tree.token_ids[0])] += 1
         seconds[int(tree.token_ids[1])] += 1
     expected_second = torch.tensor([sum(q[a] * q[b] / (1 - q[a]) for a in range(4) if a != b) for b in range(4)])
@@ -284,6 +285,11 @@ def path_tokens(tree, node: int) -> tuple[int, ...]:
     return tuple(reversed(tokens))
 
 
+def block_of(logits: torch.Tensor, token_map: torch.Tensor | None = None) -> DraftBlock:
+    """A round's drafter block from its logits (over a draft vocabulary when ``token_map`` is given)."""
+    return DraftBlock(logits, token_map, 0, logits.shape[1] if token_map is None else int(token_map.max()) + 1)
+
+
 def first_tokens(policy, target: SyntheticTarget, draft_logits: torch.Tensor, steps: int, seed: int,
                  temperature: float = 1.0, verify_temperature: float | None = None):
     """The decode loop in miniature: propose, 'verify forward' (the synthetic target at every node), walk, commit.
@@ -294,7 +300,7 @@ def first_tokens(policy, target: SyntheticTarget, draft_logits: torch.Tensor, st
     out: list[int] = []
     told = temperature if verify_temperature is None else verify_temperature
     while len(out) < steps:
-        tree = policy.propose(draft_logits, out)
+        tree = policy.propose(block_of(draft_logits), out)
         prefixes = [tuple(out)] + [tuple(out) + path_tokens(tree, i) for i in range(len(tree))]
         logits = temperature * torch.stack([target.probs(prefix).log() for prefix in prefixes])  # [n+1, V]
         path, bonus = tree.verify(logits, told, generator)
@@ -346,7 +352,7 @@ def test_draft_vocabulary_subset():
     are zero outside the subset, and verification is still exact (tokens 1, 2, 4 come from the residual)."""
     d2t = torch.tensor([5, 0, 3])
     draft_logits = torch.tensor([[1.5, 0.0, -0.5], [0.0, 1.0, 0.5]])  # [depth, V'] over draft indices
-    tree = SampledTreePolicy(5, temperature=1.0, seed=3, token_map=d2t).propose(draft_logits)
+    tree = SampledTreePolicy(5, temperature=1.0, seed=3).propose(block_of(draft_logits, d2t), [])
     assert set(tree.token_ids.tolist()) <= {0, 3, 5}
     q = tree.proposal(-1, 6)
     assert q[[1, 2, 4]].abs().sum() == 0
@@ -357,12 +363,14 @@ def test_draft_vocabulary_subset():
         assert float((got - p).abs().max()) < 1e-12
 
     class SubsetDrafter(SampledTreePolicy):  # the loop would hand it logits over the draft vocabulary only
-        def propose(self, draft_logits, history=None):
-            return super().propose(draft_logits[:, self.token_map], history)
+        ids = torch.tensor([4, 0, 3])
+
+        def propose(self, block, history):
+            return super().propose(block_of(block.logits[:, self.ids], self.ids), history)
 
     full_logits = torch.full((3, 5), -3.0)
     full_logits[:, [4, 0, 3]] = DRAFT_LOGITS[:, :3]
-    assert model_free_p_value(SubsetDrafter(6, 1.0, seed=2, token_map=torch.tensor([4, 0, 3])), target_vocab=5,
+    assert model_free_p_value(SubsetDrafter(6, 1.0, seed=2), target_vocab=5,
                               draft_logits=full_logits, n=1500) > 1e-3
     # the same drafter as the loop may hand it over: target-wide logits, -inf outside the draft vocabulary
     full_logits[:, [1, 2]] = -torch.inf
@@ -482,11 +490,3 @@ def test_benchmark_runs_both_tree_kinds_side_by_side(tmp_path):
     assert "DDTree sampled (B=16)" in results and "DDTree (B=16)" in results
     assert any(p.name.startswith("speedup_T1") for p in paths) and any(p.name.startswith("budget_tradeoff_T1")
                                                                       for p in paths)
-
-
-def test_mechanism_study_runs():
-    from experiments.studies.sampled_tree_study import study, table
-
-    rows = study(vocab=60, depth=4, rounds=15, budgets=(4,), noises=(0.0,), zipf=(1.5, 2.0), drift=0.0, seed=0)
-    assert len(rows) == 1 and 1.0 <= rows[0]["tau_topk"] <= 5.0 and 1.0 <= rows[0]["tau_sampled"] <= 5.0
-    assert "| 0 | 4 |" in table(rows)

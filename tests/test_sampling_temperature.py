@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import dflash_core.decoding as decoding
-import dflash_core.rounds as rounds
 from conftest import make_draft, make_target, prompt
 from ddtree.sampled import SampledDraftTree, SampledTreePolicy
 from dflash_core import speculative_generate
+from dflash_core.tree import Chain, DraftBlock, NoDraft
 from greedy_reference import exact_joint
 from test_ddtree_generate import PeakedTree
 from test_decoding import chi_square_p
@@ -31,8 +31,9 @@ class FixedSampled(SampledTreePolicy):
 
     logits = DRAFT_LOGITS
 
-    def propose(self, block, history=None, token_map=None):
-        return super().propose(self.logits[: block.logits.shape[0]], history)
+    def propose(self, block, history):
+        logits = self.logits[: block.depth]
+        return super().propose(DraftBlock(logits, None, block.root, logits.shape[1]), history)
 
 
 class ConfidentWithReplacement(WithReplacement):
@@ -40,8 +41,9 @@ class ConfidentWithReplacement(WithReplacement):
 
     logits = 1.5 * DRAFT_LOGITS
 
-    def propose(self, block, history=None, token_map=None):
-        return super().propose(self.logits[: block.logits.shape[0]], history)
+    def propose(self, block, history):
+        logits = self.logits[: block.depth]
+        return super().propose(DraftBlock(logits, None, block.root, logits.shape[1]), history)
 
 
 class Confident(FixedSampled):
@@ -68,16 +70,16 @@ def loop_p_value(pair, make_policy, n: int, temperature: float, claimed: float |
 
 def drop_the_temperature(monkeypatch) -> None:
     """The broken loop: every verification (sample-and-match and the sampled tree's rule) ignores T."""
-    follow, verify = rounds.follow, SampledDraftTree.verify
-    monkeypatch.setattr(rounds, "follow", lambda ids, parents, logits, t, g: follow(ids, parents, logits,
+    follow, verify = decoding.follow, SampledDraftTree.verify
+    monkeypatch.setattr(decoding, "follow", lambda ids, parents, logits, t, g: follow(ids, parents, logits,
                                                                                        min(t, 1.0) and 1.0, g))
     monkeypatch.setattr(SampledDraftTree, "verify", lambda self, logits, t, g: verify(self, logits, min(t, 1.0) and 1.0,
                                                                                     g))
 
 
 POLICIES = {
-    "plain": lambda seed: decoding.NoDraft(),
-    "chain": lambda seed: decoding.Chain(),
+    "plain": lambda seed: NoDraft(),
+    "chain": lambda seed: Chain(),
     "topk-tree": lambda seed: PeakedTree(),
 }
 

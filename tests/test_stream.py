@@ -158,8 +158,8 @@ def test_items_sharing_a_benchmark_shingle_are_dropped(tmp_path):
 
 
 def test_benchmark_shingles_cover_benchmark_prompts():
-    from dflash_core.pools.catalog import benchmark_split
-    from dflash_core.pools.items import DatasetUnavailableError
+    from dflash_core.training.pools.catalog import benchmark_split
+    from dflash_core.training.pools.items import DatasetUnavailableError
 
     try:
         item = benchmark_split("gsm8k")[0]

@@ -11,7 +11,7 @@ import dataclasses
 
 import torch
 
-from conftest import make_draft, make_target, prompt
+from conftest import forward_one, make_draft, make_target, prompt
 from dflash_core.replay import draft_hidden_all_rounds
 from dflash_core.target import TargetAdapter, tapped_forward
 from dflash_core.training.loss import target_features
@@ -62,7 +62,7 @@ def test_decode_loop_loss_and_stream_read_the_same_features():
     # the decode loop: a prefill, then one token and then a three-token chunk on the growing cache
     adapter = TargetAdapter(target, TAPS)
     cache = adapter.new_cache()
-    parts = [adapter.forward(ids[a:b], torch.arange(a, b), cache).features for a, b in ((0, 10), (10, 11), (11, 14))]
+    parts = [forward_one(adapter, ids[a:b], torch.arange(a, b), cache)[1] for a, b in ((0, 10), (10, 11), (11, 14))]
     assert torch.allclose(torch.cat(parts), expected, atol=1e-10)
     # the training loss's teacher-forced pass, and the stream's batched base-model pass (padded by a longer row)
     assert torch.equal(target_features(target, ids, TAPS, topk=2).features, expected)

@@ -205,8 +205,8 @@ def test_ddp_two_gloo_processes_match_one_process(tmp_path):
 
 # ---------------------------------------------------------------------------------------------------- data hygiene
 def test_no_training_prompt_is_benchmark_eligible():
-    from dflash_core.pools.catalog import OFFLINE_DATASETS, benchmark_pool_ids, benchmark_split
-    from dflash_core.pools.items import DatasetUnavailableError
+    from dflash_core.training.pools.catalog import OFFLINE_DATASETS, benchmark_pool_ids, benchmark_split
+    from dflash_core.training.pools.items import DatasetUnavailableError
     from dflash_core.training.prompts import build_prompts
 
     prompts = build_prompts()

@@ -212,8 +212,8 @@ def test_shipped_response_shards_reference_only_training_prompts():
 
     from dflash_core.default import DEFAULT_DRAFT_DIR
     from dflash_core.training.prompts import build_prompts
-    from dflash_core.pools.catalog import OFFLINE_DATASETS, benchmark_pool_ids
-    from dflash_core.pools.items import DatasetUnavailableError
+    from dflash_core.training.pools.catalog import OFFLINE_DATASETS, benchmark_pool_ids
+    from dflash_core.training.pools.items import DatasetUnavailableError
 
     folder = Path(DEFAULT_DRAFT_DIR) / "data"
     names = list_shards(folder)

@@ -316,7 +316,7 @@ def test_short_candidate_rows_are_detected_and_refetched(monkeypatch: pytest.Mon
     complete = top_candidates(logits, budget, complete=True)
     assert select_prefixes(complete, budget) is not None
 
-    def truncated(keep: int) -> build_module.Candidates:
+    def truncated(keep: int) -> build_module.CandidateRows:
         rows = complete.rows
         ranks = np.arange(rows.size) - complete.row_start[rows]
         mask = (rows != 0) | (ranks < keep)
@@ -325,7 +325,7 @@ def test_short_candidate_rows_are_detected_and_refetched(monkeypatch: pytest.Mon
         cutoff[0] = np.nextafter(complete.log_probs[complete.row_start[0] + keep], np.inf)
         counts = np.bincount(rows[mask], minlength=rows.max() + 1)
         row_start = np.concatenate([[0], np.cumsum(counts)])
-        return build_module.Candidates(row_start, rows[mask], complete.token_ids[mask], complete.log_probs[mask],
+        return build_module.CandidateRows(row_start, rows[mask], complete.token_ids[mask], complete.log_probs[mask],
                                        cutoff, complete.max_rank, complete.reachable_rows)
 
     reference = reference_build_tree(logits, budget)

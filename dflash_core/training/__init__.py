@@ -2,6 +2,7 @@
 
 * :mod:`.train_config` -- what a run is: the drafter's shape (``DraftSpec``) and ``TrainConfig``;
 * :mod:`.prompts`  -- the training prompts (``build_prompts``), all offline and never benchmark-eligible;
+* :mod:`.pools`    -- the prompt pools the benchmark and the recipe share, with the split that keeps them apart;
 * :mod:`.responses` -- the target writes its own training responses in a batched, KV-cached loop that captures the
   tapped hidden states and the target's top-k next-token distributions from the very forwards that produce the tokens;
 * :mod:`.shards`   -- the data those runs accumulate: committed-able token shards (response ids and prompt references

@@ -67,7 +67,7 @@ def load_corpus(folder: str | Path, tokenizer, seed: int = 0, exclude: Iterable[
 
     Prompts are rebuilt from the pools with the seed each shard's manifest records (the generation's seed; ``seed``
     only for shards that do not say), so a training run's own seed never changes which samples load."""
-    from ..pools.catalog import build_chat
+    from .pools.catalog import build_chat
 
     from .prompts import build_prompts
 

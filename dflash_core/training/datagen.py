@@ -40,12 +40,12 @@ def prompt_plan(seed: int, passes: int):
 
 def _worker(index: int, a: argparse.Namespace) -> None:
     torch.set_num_threads(a.threads)
-    from ..pools.catalog import build_chat
-    from .targets import default_taps, load_training_target, resolve_device
+    from .pools.catalog import build_chat
+    from ..loading import load_target
+    from .targets import default_taps, resolve_device
 
     device = resolve_device(a.device)
-    target, tokenizer, stops = load_training_target(a.target, torch.bfloat16 if a.dtype == "bf16" else torch.float32,
-                                                    device)
+    target, tokenizer, stops = load_target(a.target, torch.bfloat16 if a.dtype == "bf16" else torch.float32, device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     layer_ids = [int(x) for x in a.taps.split(",")] if a.taps else default_taps(target)
     out = Path(a.out)
@@ -144,11 +144,11 @@ def main(argv=None) -> None:
         a.batch = 256 if gpu else 96
     Path(a.out).mkdir(parents=True, exist_ok=True)
     if a.ceiling:
-        from .targets import load_training_target
+        from ..loading import load_target
 
         torch.set_num_threads(a.threads * a.workers)
-        target, _, _ = load_training_target(a.target, torch.bfloat16 if a.dtype == "bf16" else torch.float32,
-                                            resolve_device(a.device))
+        target, _, _ = load_target(a.target, torch.bfloat16 if a.dtype == "bf16" else torch.float32,
+                                   resolve_device(a.device))
         rate = teacher_forced_ceiling(target, 8, 320)
         print(json.dumps({"ceiling_tokens_per_s": rate, "threads": torch.get_num_threads(), "cpu": cpu_model(),
                           "dtype": a.dtype, "batch": 8, "length": 320}))

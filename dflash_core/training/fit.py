@@ -15,13 +15,14 @@ import os
 import random
 import time
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
 from pathlib import Path
 
 import torch
 
 from ..files import write_text_atomic
-from ..markov import MARKOV_KINDS, attach_markov_head
-from ..model import DFlashDraftModel, load_draft
+from ..model import MARKOV_KINDS, DFlashDraftModel, attach_markov_head, load_draft
 from .train_config import OBJECTIVES, DraftSpec, TrainConfig, make_draft_config
 from .corpus import build_draft_vocab, load_corpus, vocab_coverage
 from .evaluate import replay_evaluator, tau_evaluator
@@ -84,11 +85,11 @@ def load_training_data(folders, tokenizer, seed: int = 0, eval_prompts: int = 6,
 
 # Hyper-parameter sets (fit's argument defaults): the shipped drafter's, and the published DFlash recipe for
 # Qwen3-class targets on GPUs (DDP under torchrun: 5 layers, 512 anchors of 16 per sequence, 3,072-token sequences).
-FIT_PRESETS: dict[str, dict] = {
+FIT_PRESETS: Mapping[str, dict] = MappingProxyType({
     "smollm2": {},
     "qwen3": dict(layers=5, taps=5, block_size=16, gamma=7.0, lr=6e-4, warmup_frac=0.04, anchors=512,
                   seqs_per_step=32, max_len=3072, distill_weight=0.5, loss_vocab="full", eval_every=1000),
-}
+})
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -185,11 +186,11 @@ def main(argv=None) -> None:
     logger = setup_logging(out, rank)
     log = logger.info
     log(f"options: {json.dumps(vars(a), sort_keys=True)}")
-    from .targets import load_training_target
+    from ..loading import load_target
 
     t0 = time.perf_counter()
     device, distributed = init_distributed(None if a.device == "auto" else a.device)
-    target, tokenizer, stops = load_training_target(a.target, torch.bfloat16, device)
+    target, tokenizer, stops = load_target(a.target, torch.bfloat16, device)
     data = load_training_data(a.data, tokenizer, a.seed, a.eval_prompts, log)
     eval_prompts, n_tokens = data.eval_prompts, data.response_tokens
 

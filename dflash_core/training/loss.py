@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from ..markov import draft_index
+from ..model import draft_index
 from ..target import tapped_forward
 from ..blocks import block_attention_mask, block_inputs
 from .anchors import position_weights

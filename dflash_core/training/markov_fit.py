@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ..files import save_atomic, write_text_atomic
-from ..markov import MARKOV_KINDS, attach_markov_head, draft_index
+from ..model import MARKOV_KINDS, attach_markov_head, draft_index
 from ..model import load_draft
 from ..target import tapped_forward
 from .anchors import position_weights, sample_anchors
@@ -214,9 +214,9 @@ def main(argv=None) -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     from .fit import load_training_data
-    from .targets import load_training_target
+    from ..loading import load_target
 
-    target, tokenizer, _ = load_training_target("smollm2", torch.bfloat16, "cpu")
+    target, tokenizer, _ = load_target("smollm2", torch.bfloat16, "cpu")
     draft = load_draft(a.init, dtype=torch.float32)
     if draft.draft_vocab is None:
         raise SystemExit("markov_fit trains a head over a draft vocabulary: --init a drafter that has one")

@@ -3,9 +3,8 @@
 A drafter learns to predict what its *target* will say, so the responses to these prompts are the target's own
 (:mod:`.responses`, :mod:`.datagen`), never reference answers. Prompt sources:
 
-* ``gsm8k`` / ``math500`` / ``humaneval``: :func:`dflash_core.pools.catalog.training_split`, i.e. pool items the
-  benchmark can never select (the test suite checks the ids against
-  :func:`dflash_core.pools.catalog.benchmark_pool_ids`);
+* ``gsm8k`` / ``math500`` / ``humaneval``: :func:`.pools.catalog.training_split`, i.e. pool items the benchmark can
+  never select (the test suite checks the ids against :func:`.pools.catalog.benchmark_pool_ids`);
 * ``stdlib``: coding and explanation tasks built from the docstrings of Python's own standard library (PSF license);
 * ``code-tasks``: self-written classic programming exercises, asked plainly and as HumanEval-style stubs;
 * ``math-templates``: self-written arithmetic word problems and small algebra exercises with random numbers;
@@ -17,7 +16,6 @@ A drafter learns to predict what its *target* will say, so the responses to thes
 
 from __future__ import annotations
 
-import functools
 import importlib
 import inspect
 import random
@@ -38,8 +36,8 @@ class PromptItem:
 # ---------------------------------------------------------------------------------------------------- benchmark pools
 def benchmark_training_prompts() -> list[PromptItem]:
     """Training-split items of the offline pools (never benchmark-eligible), in the benchmark's prompt format."""
-    from ..pools.catalog import training_split
-    from ..pools.items import DatasetUnavailableError
+    from .pools.catalog import training_split
+    from .pools.items import DatasetUnavailableError
 
     items = []
     for name in ("gsm8k", "math500", "humaneval"):
@@ -120,7 +118,6 @@ DOC_PROMPT_PACKAGES = ("numpy", "scipy", "sympy", "mpmath", "networkx", "torch",
                        "rich", "pydantic", "jinja2", "yaml", "dateutil", "packaging", "tqdm", "huggingface_hub")
 
 
-@functools.lru_cache(maxsize=None)
 def _package_docstrings() -> tuple[tuple[str, str], ...]:
     """(qualified name, first docstring paragraph) of the module-level public functions and classes of
     DOC_PROMPT_PACKAGES, found by a pattern over the source text (no import, no parse: a few seconds)."""

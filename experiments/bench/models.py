@@ -3,8 +3,8 @@
 ``load_models(pair, dtype, device, rank)`` is what the runner calls. Targets from the hub or a folder are read straight
 onto their device (``dflash_core.loading``); drafters go next to the target's LM head. A ``device_map="auto"`` target
 is spread over the rank's share of the GPUs: under torchrun with G GPUs and R local ranks, local rank r owns GPUs
-``r * G // R ... (r + 1) * G // R - 1`` (:func:`rank_gpus`), makes the first of them current and never touches
-another rank's GPUs.
+``r * G // R ... (r + 1) * G // R - 1`` (:func:`dflash_core.default.rank_gpus`), makes the first of them current and
+never touches another rank's GPUs.
 
 Where the weights come from (:func:`locate_weights`): a local folder, the Hugging Face cache (a hub id whose snapshot
 is there; ``HF_HUB_OFFLINE=1`` then keeps transformers off the network), or a download. Before anything is loaded,
@@ -30,7 +30,7 @@ import torch
 from experiments.bench.presets import ModelPair
 
 __all__ = ["ByteTokenizer", "Models", "WeightSource", "InsufficientDiskError", "KNOWN_SHAPES", "tiny_target",
-           "random_draft", "resolve_dtype", "rank_gpus", "pick_device", "parameter_count", "dtype_bytes",
+           "random_draft", "resolve_dtype", "parameter_count", "dtype_bytes",
            "hub_cache_dir", "hub_offline", "locate_weights", "check_weights", "chat_settings", "load_models"]
 
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
@@ -135,43 +135,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _TORCH_DTYPES[name]
 
 
-def rank_gpus(local_rank: int, local_world: int, n_gpus: int) -> list[int]:
-    """The GPUs of one local rank: ``n_gpus // local_world`` consecutive ones starting at ``local_rank * per_rank``.
-
-    With more ranks than GPUs each rank gets one GPU, shared round-robin (``local_rank % n_gpus``).
-    """
-    if n_gpus < 1:
-        raise ValueError("no GPU visible")
-    if not 0 <= local_rank < max(local_world, 1):
-        raise ValueError(f"local rank {local_rank} is outside a local world of {local_world}")
-    per_rank = max(1, n_gpus // max(local_world, 1))
-    first = (local_rank * per_rank) % n_gpus
-    return list(range(first, min(first + per_rank, n_gpus)))
-
-
-def pick_device(name: str, local_rank: int = 0, local_world: int = 1) -> torch.device:
-    """The device this process runs on; on CUDA it becomes the current device (and no other GPU is touched).
-
-    ``cuda`` without an index means the first GPU of this rank's share (:func:`rank_gpus`); ``cuda:N`` is taken
-    as given. Making it current matters: CUDA events and kernels launched without a device go to the current one.
-    """
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("this run needs CUDA (the paper preset's models do not fit a CPU run), and no GPU is "
-                         "visible; use --preset default or quick on a machine without a GPU")
-    if device.type == "cuda":
-        if device.index is None:
-            device = torch.device("cuda", rank_gpus(local_rank, local_world, torch.cuda.device_count())[0])
-        torch.cuda.set_device(device)
-    return device
-
-
 def _placement(pair: ModelPair, device: torch.device, local_rank: int, local_world: int) -> dict[str, Any]:
     """device_map / max_memory for the target: this rank's share of the GPUs for a ``device_map="auto"`` pair."""
     if pair.device_map != "auto" or device.type != "cuda":
         return {}
+    from dflash_core.default import rank_gpus
+
     gpus = rank_gpus(local_rank, local_world, torch.cuda.device_count())
     return {"device_map": "auto",
             "max_memory": {g: torch.cuda.get_device_properties(g).total_memory for g in gpus}}
@@ -417,24 +386,19 @@ def load_models(pair: ModelPair, dtype_name: str, device: torch.device, rank=Non
     ``rank`` (``experiments.bench.ranks.RankInfo``) decides a ``device_map="auto"`` target's share of the GPUs.
     """
     from dflash_core import check_compatibility, load_draft
-    from dflash_core.loading import load_target, stop_token_ids
+    from dflash_core.loading import load_target
 
     local_rank = getattr(rank, "local_rank", 0)
     local_world = getattr(rank, "local_world", None) or getattr(rank, "world", 1)
     dtype = resolve_dtype(dtype_name, device)
     check_weights(pair)  # before loading anything: refuse what cannot be downloaded or stored here
-    if pair.target == "default":
-        from dflash_core.default import load_default_target, stop_token_ids as default_stops
-
-        target, tokenizer = load_default_target(dtype, device)
-        stops = default_stops(tokenizer)
-    elif pair.target == "tiny":
+    if pair.target == "tiny":
         target, tokenizer = tiny_target().to(device=device, dtype=dtype), ByteTokenizer()
         stops = [tokenizer.eos_token_id]
     else:
-        target, tokenizer = load_target(pair.target, dtype, device,
-                                        **_placement(pair, device, local_rank, local_world))
-        stops = stop_token_ids(tokenizer, target)
+        target, tokenizer, stops = load_target(pair.target, dtype, device,
+                                               **_placement(pair, device, local_rank, local_world))
+    if pair.target not in ("tiny", "default"):
         settings = chat_settings(pair, tokenizer, target.config)
         if settings != tuple(pair.chat_template_kwargs):
             print(f"[models] {pair.target}: chat settings {dict(settings)} (its family's; the pair named none)",

@@ -189,7 +189,7 @@ def _gpu_fit(pair, memory: dict[str, int | None], devices: dict[str, Any]) -> di
     """The GPUs rank 0 would hold the pair on and their memory (None without GPUs or a memory estimate)."""
     if not devices["gpus"] or not memory["total"]:
         return None
-    from experiments.bench.models import rank_gpus
+    from dflash_core.default import rank_gpus
 
     share = rank_gpus(0, devices["world"], len(devices["gpus"]))
     if pair.device_map != "auto":

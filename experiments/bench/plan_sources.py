@@ -2,8 +2,9 @@
 (offline ones loaded from their installed packages, hub ones checked without contacting the hub) and the devices.
 
 A hub dataset is checked on its own: the package its loader needs (``huggingface_hub`` for livecodebench's JSONL files,
-``datasets`` for the others; see :mod:`dflash_core.pools.catalog`) and, when an offline switch is set, whether its
-repository has a folder in the local Hugging Face cache. Cheap: no network, no download, only a folder looked up.
+``datasets`` for the others; see :mod:`dflash_core.training.pools.catalog`) and, when an offline switch is set,
+whether its repository has a folder in the local Hugging Face cache. Cheap: no network, no download, only a folder
+looked up.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
-# Each hub dataset's repository and the package its loader in dflash_core/pools/catalog.py reads it with.
+# Each hub dataset's repository and the package its loader in dflash_core/training/pools/catalog.py reads it with.
 _HUB_SOURCES = {"mbpp": ("google-research-datasets/mbpp", "datasets"),
                 "livecodebench": ("livecodebench/code_generation_lite", "huggingface_hub"),
                 "swe-bench": ("princeton-nlp/SWE-bench_Lite", "datasets"),
@@ -40,8 +41,8 @@ class DatasetPlan:
 def dataset_plans(preset, seed: int | None = None) -> list[DatasetPlan]:
     """Every dataset of the preset's grid: the ones it runs (loaded offline, or checked for the hub without
     contacting it) and its hub-only ones it leaves out."""
-    from dflash_core.pools.catalog import HUB_DATASETS, select_items
-    from dflash_core.pools.items import DatasetUnavailableError
+    from dflash_core.training.pools.catalog import HUB_DATASETS, select_items
+    from dflash_core.training.pools.items import DatasetUnavailableError
 
     out = []
     for name in preset.datasets:

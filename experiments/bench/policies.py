@@ -2,8 +2,8 @@
 
 Contract: ``module`` is importable (on ``sys.path``, e.g. a file ``my_policy.py`` in the working directory) and
 ``Class`` is a class (or any callable) that builds a policy when called with no arguments. A policy is what
-``ddtree_generate(policy=...)`` takes (dflash_core's ``ProposalPolicy``): a non-empty str ``name`` (the variant's label
-and its record's budget), a bool ``uses_draft`` (True: it reads the drafter's logits) and ``propose(draft_logits,
+``ddtree_generate(policy=...)`` takes: a subclass of ``dflash_core.BlockPolicy`` with a non-empty str ``name`` (the
+variant's label and its record's budget), a bool ``uses_draft`` (True: it reads the drafter) and ``propose(block,
 history)``; optionally ``observe``. The benchmark builds a fresh policy for every generation (warm-ups included), so
 each generation starts from the same state and a resumed run records what an uninterrupted one would; the replay
 study (``experiments.studies.auto_budget_study``) builds one per replayed prompt.
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import importlib
 from typing import Any, Callable
+
+from dflash_core.tree import BlockPolicy
 
 __all__ = ["PolicyError", "load_policy", "make_policy_instance", "policy_name"]
 
@@ -47,8 +49,8 @@ def load_policy(spec: str) -> Callable[[], Any]:
 def check_policy(policy: Any, spec: str) -> Any:
     """``policy`` itself when it is a proposal policy with a usable name, else PolicyError saying what is missing."""
     missing = []
-    if not callable(getattr(policy, "propose", None)):
-        missing.append("a method propose(draft_logits, history)")
+    if not isinstance(policy, BlockPolicy):
+        missing.append("to subclass dflash_core.BlockPolicy (a method propose(block, history) -> DraftTree)")
     if not isinstance(getattr(policy, "uses_draft", None), bool):
         missing.append("a bool attribute uses_draft")
     name = getattr(policy, "name", None)
@@ -56,7 +58,7 @@ def check_policy(policy: Any, spec: str) -> Any:
         missing.append("a non-empty str attribute name")
     if missing:
         raise PolicyError(f"--policy {spec!r}: {type(policy).__name__} is not a proposal policy: it needs "
-                          + ", ".join(missing) + " (see dflash_core.decoding.ProposalPolicy)")
+                          + ", ".join(missing) + " (see dflash_core.tree.BlockPolicy)")
     if name in RESERVED_NAMES:
         raise PolicyError(f"--policy {spec!r}: the name {name!r} is taken by a built-in budget; choose another")
     return policy

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddtree.generate import BUDGET_WORDS
-from dflash_core.pools.catalog import HUB_DATASETS, KNOWN_DATASETS, OFFLINE_DATASETS, canonical_name
+from dflash_core.cpu_kernels import KERNEL_CHOICES
+from dflash_core.training.pools.catalog import HUB_DATASETS, KNOWN_DATASETS, OFFLINE_DATASETS, canonical_name
 from experiments.bench.schema import METHODS, TREE_KINDS
 
 __all__ = ["ModelPair", "Preset", "PRESETS", "DTYPES", "BUDGET_POLICIES", "TREE_KINDS", "get_preset",
@@ -157,8 +158,8 @@ class Preset:
             out.append(f"dtype {self.dtype!r} is not one of {DTYPES}")
         if self.max_samples < 1 or self.max_new_tokens < 1 or self.warmup_tokens < 1:
             out.append("max_samples, max_new_tokens and warmup_tokens must be >= 1")
-        if self.cpu_kernels not in ("torch", "packed", "auto"):
-            out.append(f"cpu_kernels must be torch, packed or auto, got {self.cpu_kernels!r}")
+        if self.cpu_kernels not in KERNEL_CHOICES:
+            out.append(f"cpu_kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.cpu_kernels!r}")
         if self.time_budget_s is not None and self.time_budget_s <= 0:
             out.append("time_budget_s must be > 0 (or None: no sizing)")
         if any(n < 1 for _, n in self.samples_per_dataset):
@@ -237,8 +238,8 @@ QUICK = Preset(
 
 _QWEN3_CHAT = (("enable_thinking", False),)
 # The DDTree paper's grid: 3 pairs x 10 datasets x T in {0, 1}, 2048 new tokens. Sample counts follow the reference
-# harness, capped by each dataset's benchmark split (dflash_core.pools.catalog.BENCHMARK_POOL_SIZE). The six offline
-# datasets run by default; mbpp, livecodebench, swe-bench and alpaca need the hub and run only when asked.
+# harness, capped by each dataset's benchmark split (dflash_core.training.pools.catalog.BENCHMARK_POOL_SIZE). The six
+# offline datasets run by default; mbpp, livecodebench, swe-bench and alpaca need the hub and run only when asked.
 # The whole grid is far more than a session: ~560 turns per temperature x 10 variants x 2048 tokens is ~11 M tokens
 # per pair (days on one H200), so like the CPU presets it is sized to the machine: after each pair's warm-up the
 # runner projects the decoding time from measured seconds per token and keeps what fits one hour per pair by the

@@ -1,7 +1,7 @@
 """Torchrun ranks and devices: this process's place in a launch, the end-of-run barrier, its device and its name.
 
 Under ``torchrun --nproc_per_node=G`` the conversations are dealt round-robin to the ranks; each rank uses its own
-GPU (or, for a ``device_map="auto"`` target, its share of the GPUs, see ``experiments.bench.models.rank_gpus``) and
+GPU (or, for a ``device_map="auto"`` target, its share of the GPUs, see ``dflash_core.default.rank_gpus``) and
 writes its own records file (:meth:`RankInfo.records_path`). Nothing is collective but one barrier at the end of a pair.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from experiments.bench.models import pick_device as _pick_device
+from dflash_core.default import resolve_device
 from experiments.bench.schema import RECORDS_FILENAME
 
 __all__ = ["RANK_RECORDS_GLOB", "RankInfo", "device_name", "pick_device", "process_group"]
@@ -70,9 +70,12 @@ def process_group(rank: RankInfo):
 
 
 def pick_device(name: str, rank: RankInfo) -> torch.device:
-    """This rank's device (made current on CUDA): the first GPU of its share, see
-    ``experiments.bench.models.rank_gpus``."""
-    return _pick_device(name, rank.local_rank, rank.local_world or rank.world)
+    """This rank's device (made current on CUDA): ``cuda`` without an index is the first GPU of its share, ``cuda:N``
+    is taken as given (:func:`dflash_core.default.resolve_device`)."""
+    if name != "auto" and torch.device(name).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("this run needs CUDA (the paper preset's models do not fit a CPU run), and no GPU is "
+                         "visible; use --preset default or quick on a machine without a GPU")
+    return resolve_device(name, local_rank=rank.local_rank, local_world=rank.local_world or rank.world)
 
 
 def device_name(device: torch.device) -> str:

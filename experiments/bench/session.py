@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from dflash_core.pools.catalog import build_chat
+from dflash_core.training.pools.catalog import build_chat
 from experiments.bench.console import log
 from experiments.bench.conversation import Conversation
 from experiments.bench.models import Models
@@ -115,6 +115,7 @@ class Session:
         self.ar = Variant("ar") if Variant("ar") in variants else None
         self.others = [v for v in variants if v.method != "ar"]
         self.chat_kwargs = dict(models.pair.chat_template_kwargs) or None
+        self.memories: dict[tuple[float, str], Any] = {}  # (temperature, label) -> auto's RoundMemory
 
     def at(self, temperature: float) -> list[Variant]:
         """The variants measured at ``temperature``: at T = 0 a sampled tree IS the top-K tree (nothing to sample;
@@ -126,9 +127,20 @@ class Session:
         return sum(record_key(item.dataset, item.sample_id, turn, v, conv.temperature) not in self.done
                    for turn in range(conv.num_turns) for v in self.at(conv.temperature))
 
+    def memory(self, variant: Variant, temperature: float):
+        """``auto``'s round memory for ``variant`` at ``temperature``, None for other methods: one per model pair
+        (this session), method and temperature, kept across the run's prompts and warm-ups, so that what ``auto``
+        learnt carries over from one generation to the next, as it would in a serving process."""
+        if variant.budget not in ("auto", "chain-auto"):
+            return None
+        from ddtree import RoundMemory
+
+        return self.memories.setdefault((temperature, variant.label), RoundMemory())
+
     def _generate(self, variant: Variant, input_ids: torch.Tensor, temperature: float, seed: int):
         t0 = time.perf_counter()
-        result = generate(variant, self.models, input_ids, self.preset.max_new_tokens, temperature, seed)
+        result = generate(variant, self.models, input_ids, self.preset.max_new_tokens, temperature, seed,
+                          self.memory(variant, temperature))
         return result, time.perf_counter() - t0
 
     def _write(self, record: SampleRecord) -> None:
@@ -238,8 +250,8 @@ class Session:
         t = max((c.temperature for c in todo), default=0.0)  # sampling accepts less: size for the slowest
         per_token, per_call = {}, {}
         for variant in self.variants:
-            generate(variant, self.models, input_ids, self.preset.warmup_tokens, t, 0)
-            result = generate(variant, self.models, input_ids, self.preset.warmup_tokens, t, 0)
+            generate(variant, self.models, input_ids, self.preset.warmup_tokens, t, 0, self.memory(variant, t))
+            result = generate(variant, self.models, input_ids, self.preset.warmup_tokens, t, 0, self.memory(variant, t))
             per_token[variant] = result.timings.get("decode", 0.0) / max(1, len(result.new_token_ids) - 1)
             per_call[variant] = result.timings.get("prefill", 0.0)
             if variant.method == "ar" and self.replayer is not None:  # one replayed turn, scaled to the run's

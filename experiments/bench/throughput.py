@@ -68,11 +68,33 @@ def make_runner(method: str, target, draft, stops: Sequence[int]) -> Callable:
         return lambda prompts, n: ddtree_generate(target, draft, prompts, budget=budget, max_new_tokens=n,
                                                   stop_token_ids=stops)
     if method in ("auto", "auto-per-sequence", "auto+lookup"):
-        lookup, per = method == "auto+lookup", "per-sequence" if method == "auto-per-sequence" else "shared"
-        return lambda prompts, n: ddtree_generate(target, draft, prompts, budget="auto", lookup=lookup,
-                                                  max_new_tokens=n, stop_token_ids=stops, batch_budget=per)
+        return _auto_runner(method, target, draft, stops)
     raise ValueError(f"unknown method {method!r}: use ar, dflash, ddtree-<N>, auto, auto-per-sequence or "
                      "auto+lookup")
+
+
+def _auto_runner(method: str, target, draft, stops: Sequence[int]) -> Callable:
+    """The runner of an ``auto`` method: every sequence's policy of every batch of one size continues one round
+    memory (:class:`ddtree.RoundMemory`; the warm-up's included), as a serving process would; each batch size keeps
+    its own, since it prices its rounds with its own cost curve."""
+    from ddtree import RoundMemory, ddtree_generate, make_policy
+
+    lookup, per = method == "auto+lookup", "per-sequence" if method == "auto-per-sequence" else "shared"
+    memories: dict[int, RoundMemory] = {}
+
+    def run(prompts, n):
+        memory = memories.setdefault(len(prompts), RoundMemory())
+        longest = max(int(p.shape[-1]) for p in prompts)
+        policies = [make_policy("auto", target, draft, lookup=lookup, context=longest, batch=len(prompts),
+                                memory=memory) for _ in prompts]
+        results = ddtree_generate(target, draft, prompts, policy=policies, max_new_tokens=n, stop_token_ids=stops,
+                                  batch_budget=per)
+        if lookup:
+            for r, policy in zip(results, policies):
+                r.lookup_tokens = policy.lookup_committed
+        return results
+
+    return run
 
 
 def _groups(prompts: list, size: int) -> list[list]:
@@ -186,12 +208,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from dflash_core.cpu_kernels import apply_cpu_kernels
     from dflash_core.default import default_dtype, stop_token_ids
     from dflash_core.files import write_text_atomic
-    from dflash_core.pools.catalog import build_chat
+    from dflash_core.training.pools.catalog import build_chat
     from dflash_core.timing import machine_identity
+    from experiments.bench.conversation import benchmark_prompts
     from experiments.bench.models import random_draft
     from experiments.bench.presets import PRESETS
     from experiments.bench.session import WARMUP_PROMPT
-    from experiments.studies.pld_compare import benchmark_prompts
 
     transformers.utils.logging.set_verbosity_error()
     dtype = default_dtype(torch.device("cpu"))

@@ -26,8 +26,10 @@ def _int(budget) -> bool:
 
 
 def generate(variant: Variant, models: "Models", input_ids: "torch.Tensor", max_new_tokens: int,
-             temperature: float, seed: int):
-    """Run ``variant`` on ``input_ids``: the generation function's result."""
+             temperature: float, seed: int, memory=None):
+    """Run ``variant`` on ``input_ids``: the generation function's result. ``memory``: for ``auto`` and
+    ``chain-auto``, the :class:`ddtree.RoundMemory` that carries what it learnt from one generation to the next (the
+    session holds one per method; None: start fresh)."""
     from dflash_core import autoregressive_generate, dflash_generate, lookup_generate
 
     args = dict(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=models.stop_token_ids,
@@ -48,6 +50,15 @@ def generate(variant: Variant, models: "Models", input_ids: "torch.Tensor", max_
 
         policy = make_policy_instance(variant.policy_class)  # fresh per generation: see experiments.bench.policies
         return ddtree_generate(models.target, models.draft, input_ids, policy=policy, **args)
+    if variant.budget in ("auto", "chain-auto"):
+        from ddtree import make_policy
+
+        policy = make_policy(variant.budget, models.target, models.draft, lookup=variant.lookup,
+                             context=int(input_ids.shape[-1]), memory=memory)
+        result = ddtree_generate(models.target, models.draft, input_ids, policy=policy, **args)
+        if variant.lookup:
+            result.lookup_tokens = policy.lookup_committed
+        return result
     return ddtree_generate(models.target, models.draft, input_ids, budget=variant.budget, tree=variant.tree or "topk",
                            lookup=variant.lookup, **args)
 

@@ -7,10 +7,9 @@ every round with a cost curve, so dozens of policies and curves are compared in 
   with a fixed seed. Replaying a sampled continuation gives exactly the rounds of sample-and-match decoding with the
   top-K tree under the coupling in which the target draws these tokens, so T = 1 is replayed as faithfully as T = 0;
 * the drafter's states for every round start come from one batched pass per prompt;
-* policies: fixed budgets (the oracle is the best of them per dataset, chosen after the fact), DFlash's chain, and
-  ``auto`` with the ratio or the marginal rule and each calibration (``none``, ``power``, ``depth``, ``bucket``), and
-  ``chain-auto``. Adaptive policies keep one memory across the prompts, as in a benchmark process; and your own
-  policy classes (``--policy module:Class``, built with no arguments, once per replayed prompt; see
+* policies: fixed budgets (the oracle is the best of them per dataset, chosen after the fact), DFlash's chain,
+  ``auto`` and ``chain-auto``. Adaptive policies keep one memory across the prompts, as in a benchmark process; and
+  your own policy classes (``--policy module:Class``, built with no arguments, once per replayed prompt; see
   :mod:`experiments.bench.policies`), reported under their ``name``;
 * curves: this machine's measured one (``measure_cost_model``, this dtype), optionally fp32 on this machine
   (``--fp32-curve``), the AMD EPYC fp32 costs measured on the 2-core machine this was developed on (and the same with
@@ -34,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ddtree.budget import CALIBRATIONS, RULES, AutoBudget
+from ddtree.budget import AutoBudget
 from ddtree.cost import CostModel, measure_cost_model
 from ddtree.generate import make_policy
 from experiments.bench.policies import PolicyError, make_policy_instance, policy_name
@@ -85,9 +84,7 @@ def curves(target, draft, fp32_curve: bool, profiles: Path) -> dict[str, tuple[C
 
 def auto_variants() -> list[tuple[str, dict]]:
     """(name, AutoBudget options) of every adaptive variant compared."""
-    out = [(f"auto {rule}/{cal}", {"rule": rule, "calibrate": cal}) for rule in RULES for cal in CALIBRATIONS]
-    out.append(("chain-auto marginal/depth", {"rule": "marginal", "calibrate": "depth", "chain": True}))
-    return out
+    return [("auto", {}), ("chain-auto", {"chain": True})]
 
 
 def user_policies(specs: list[str]) -> dict[str, str]:
@@ -104,7 +101,7 @@ def user_policies(specs: list[str]) -> dict[str, str]:
 
 
 def run(args) -> dict:
-    from dflash_core.pools.catalog import OFFLINE_DATASETS, build_chat, select_items
+    from dflash_core.training.pools.catalog import OFFLINE_DATASETS, build_chat, select_items
     from dflash_core.default import load_default_pair, stop_token_ids
     from dflash_core.replay import draft_hidden_all_rounds, replay
     from dflash_core.timing import cpu_model

@@ -10,9 +10,9 @@ For every (distribution, vocab, budget) it reports median milliseconds of both b
 call, so machine noise hits both alike), the speed-up (with ``--rounds R``: the median over R independent rounds of
 each round's ratio of medians, so that one disturbed round does not decide it; the per-round ratios are printed and
 in the JSON), the time of the fast builder's selection stage alone (its "pop loop", ``select_prefixes`` on
-precomputed candidates; median and minimum) next to the reference's heap loop alone, and whether the two trees are
-identical. Two logit distributions: ``randn`` (N(0, 3^2) logits: flat rows, shallow wide trees) and ``drafter`` (a
-confident guess per row whose confidence decays along the block: deep trees, like a real drafter).
+precomputed candidates; median and minimum), and whether the two trees are identical. Two logit distributions:
+``randn`` (N(0, 3^2) logits: flat rows, shallow wide trees) and ``drafter`` (a confident guess per row whose
+confidence decays along the block: deep trees, like a real drafter).
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from dflash_core.timing import time_samples
-from ddtree.build import _best_first_heap, _log_softmax, _top_k_rows, build_tree, reference_build_tree
-from ddtree.build import select_prefixes, top_candidates
+from ddtree.build import build_tree, reference_build_tree, select_prefixes, top_candidates
 
 DISTRIBUTIONS = ("randn", "drafter")
 
@@ -47,7 +46,6 @@ class BenchRow:
     speedup_rounds: list[float]
     fast_select_ms: float
     fast_select_min_ms: float
-    reference_heap_ms: float
     identical: bool
 
 
@@ -84,23 +82,20 @@ def bench_one(distribution: str, vocab: int, budget: int, depth: int, repeats: i
     ratios = [round(r / f, 2) for r, f in medians]
     reference_ms, fast_ms = (statistics.median(column) for column in zip(*medians))
     candidates = top_candidates(logits, budget)
-    values, tokens = _top_k_rows(_log_softmax(logits), min(budget, vocab))
-    values, tokens = values.tolist(), tokens.tolist()
-    select_times, heap_times = time_ms([lambda: select_prefixes(candidates, budget),
-                                        lambda: _best_first_heap(values, tokens, budget)], 4 * repeats, "cpu")
+    select_times, = time_ms([lambda: select_prefixes(candidates, budget)], 4 * repeats, "cpu")
     return BenchRow(distribution, vocab, budget, depth, len(fast), round(reference_ms, 3), round(fast_ms, 3),
                     round(statistics.median(ratios), 2), ratios, round(statistics.median(select_times), 4),
-                    round(min(select_times), 4), round(statistics.median(heap_times), 3), fast.equals(reference))
+                    round(min(select_times), 4), fast.equals(reference))
 
 
 def markdown_table(rows: list[BenchRow]) -> str:
     lines = ["| logits | V | B | nodes | reference ms | build_tree ms | speed-up | select (pop loop) ms, median / min "
-             "| reference heap ms | identical |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| identical |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r.distribution} | {r.vocab} | {r.budget} | {r.nodes} | {r.reference_ms:.3f} | "
                      f"{r.fast_ms:.3f} | {r.speedup:.1f}x | {r.fast_select_ms:.4f} / {r.fast_select_min_ms:.4f} | "
-                     f"{r.reference_heap_ms:.3f} | {'yes' if r.identical else 'NO'} |")
+                     f"{'yes' if r.identical else 'NO'} |")
     return "\n".join(lines)
 
 

@@ -2,11 +2,13 @@
 memory floor: ``python -m experiments.studies.cpu_peers``.
 
 Greedy, the same first-turn prompts of the benchmark (default: gsm8k, humaneval, mt-bench, grounded; 2 each), every
-method on every prompt in an order rotated per prompt (``pld_compare.compare_prompts``), each call timed whole
-(prefill included), after one untimed warm-up of each method:
+method on every prompt in an order rotated per prompt (:func:`compare_prompts`), each call timed whole (prefill
+included), after one untimed warm-up of each method:
 
 * ``ar``            -- :func:`dflash_core.autoregressive_generate`, our plain decoding (the baseline of every speedup);
 * ``hf_greedy``     -- transformers' ``generate()`` greedy on the same model object;
+* ``pld``, ``hf_pld`` (asked for with ``--methods``) -- prompt lookup: :func:`dflash_core.lookup_generate` with its
+  defaults, and transformers' ``generate(prompt_lookup_num_tokens=10)``;
 * ``llama_cpp``     -- llama.cpp through ``llama-cpp-python`` on the very GGUF file the toolkit ships (Q4_1), greedy
   (``top_k=1``, no repeat penalty), ``--threads`` threads; its weights are the 4-bit originals, so its text may leave
   ours where a 4-bit product rounds a near-tie the other way (reported: tokens equal to ``ar`` and the first
@@ -31,6 +33,7 @@ under a tree mask to a 200-token cache) of our target forward. Prints tables; ``
 from __future__ import annotations
 
 import argparse
+import copy
 import platform
 import statistics
 import subprocess
@@ -40,15 +43,15 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from experiments.studies.pld_compare import (
-    benchmark_prompts, compare_prompts, make_generator, prompt_parser, split_lists,
-)
+__all__ = ["METHODS", "DEFAULT_METHODS", "make_generator", "compare_prompts", "probe_llama_cpp", "make_llama_cpp",
+           "make_ours", "memory_floor", "summarize", "main"]
 
-__all__ = ["METHODS", "probe_llama_cpp", "make_llama_cpp", "make_ours", "memory_floor", "summarize", "main"]
-
-METHODS = ("ar", "hf_greedy", "llama_cpp", "dflash", "ddtree_auto", "ddtree_lookup")
+DEFAULT_METHODS = ("ar", "hf_greedy", "llama_cpp", "dflash", "ddtree_auto", "ddtree_lookup")
+METHODS = DEFAULT_METHODS + ("pld", "hf_pld")
 DEFAULT_DATASETS = ("gsm8k", "humaneval", "mt-bench", "grounded")
 VERIFY_NODES = (1, 2, 4, 8, 16, 32, 64)
+HF_PLD_TOKENS = 10  # transformers' prompt_lookup_num_tokens
+WARMUP_TOKENS = 16
 PROBE = """
 import sys
 from llama_cpp import Llama, llama_cpp
@@ -65,6 +68,99 @@ print("ok")
 
 def log(message: str) -> None:
     print(f"[cpu_peers] {message}", file=sys.stderr, flush=True)
+
+
+def make_generator(method: str, target, stop_token_ids: Sequence[int] = (),
+                   pad_token_id: int | None = None) -> Callable[[torch.Tensor, int], tuple[list[int], dict]]:
+    """``run(input_ids [1, T], max_new_tokens) -> (new token ids, extra)`` for ``ar``, ``pld`` (our loop: ``extra``
+    holds its rounds, tau and prefill seconds), ``hf_greedy`` or ``hf_pld`` (transformers' ``generate()``); the stop
+    token is included when the generation stopped on one, as every method returns it."""
+    stops = [int(s) for s in stop_token_ids]
+    if method in ("hf_greedy", "hf_pld"):
+        base = copy.deepcopy(target.generation_config)
+        base.do_sample = False
+        base.eos_token_id = stops or None  # none: no stop (not the model config's default eos)
+        base.pad_token_id = pad_token_id if pad_token_id is not None else (stops[0] if stops else 0)
+        base.prompt_lookup_num_tokens = HF_PLD_TOKENS if method == "hf_pld" else None
+        configs: dict[int, Any] = {}  # one config per length, copied once (first call at that length)
+
+        def run(ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], dict]:
+            if max_new_tokens not in configs:
+                configs[max_new_tokens] = copy.deepcopy(base)
+                configs[max_new_tokens].max_new_tokens = max_new_tokens
+            out = target.generate(ids, attention_mask=torch.ones_like(ids), generation_config=configs[max_new_tokens])
+            return out[0, ids.shape[1]:].tolist(), {}
+        return run
+    from dflash_core import autoregressive_generate, lookup_generate
+
+    if method not in ("pld", "ar"):
+        raise ValueError(f"unknown method {method!r}: use one of ar, pld, hf_greedy, hf_pld")
+    generate = lookup_generate if method == "pld" else autoregressive_generate
+
+    def ours(ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], dict]:
+        res = generate(target, ids, max_new_tokens=max_new_tokens, stop_token_ids=stops)
+        return res.new_token_ids, {"rounds": len(res.acceptance_lengths), "tau": res.tau,
+                                   "prefill_s": res.timings.get("prefill", 0.0)}
+    return ours
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    """None when equal, else the first index where they differ (the shorter one's length if one is a prefix)."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _timed(run, ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], dict, float]:
+    cuda = ids.is_cuda
+    if cuda:
+        torch.cuda.synchronize(ids.device)
+    t0 = time.perf_counter()
+    out, extra = run(ids, max_new_tokens)
+    if cuda:
+        torch.cuda.synchronize(ids.device)
+    return out, extra, time.perf_counter() - t0
+
+
+def compare_prompts(target, prompts: Sequence[Sequence[int]], runners: dict[str, Callable],
+                    max_new_tokens: int = 128, pairs: Sequence[tuple[str, str]] = (),
+                    warmup: Sequence[int] | None = None, labels: Sequence[dict] | None = None,
+                    log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """One row per prompt (token id lists): every runner (``{name: run(ids, max_new_tokens) -> (new ids, extra)}``)
+    on it, in an order rotated by one per prompt.
+
+    ``warmup``: a short prompt each runner runs once, untimed, first. ``labels``: extra fields per row (dataset,
+    sample id). A row holds the order, per method its new tokens, seconds and tokens/s, the outputs, and per pair of
+    ``pairs`` whether the two outputs are equal and where they first differ.
+    """
+    device = next(target.parameters()).device
+    methods = list(runners)
+    if warmup is not None:
+        warm = torch.tensor([list(warmup)], dtype=torch.long, device=device)
+        for m in methods:
+            runners[m](warm, WARMUP_TOKENS)
+    rows = []
+    for i, prompt in enumerate(prompts):
+        ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
+        shift = i % len(methods)
+        order = methods[shift:] + methods[:shift]
+        outputs, stats = {}, {}
+        for m in order:
+            outputs[m], extra, seconds = _timed(runners[m], ids, max_new_tokens)
+            stats[m] = {"tokens": len(outputs[m]), "seconds": seconds,
+                        "tok_s": len(outputs[m]) / max(seconds, 1e-9), **extra}
+        first_diff = {f"{a}~{b}": _first_difference(outputs[a], outputs[b]) for a, b in pairs
+                      if a in outputs and b in outputs}
+        row = {**(dict(labels[i]) if labels else {}), "index": i, "prompt_tokens": len(prompt), "order": order,
+               "methods": {m: stats[m] for m in methods}, "equal": {k: v is None for k, v in first_diff.items()},
+               "first_difference": first_diff, "outputs": {m: outputs[m] for m in methods}}
+        rows.append(row)
+        if log:
+            speeds = "  ".join(f"{m} {stats[m]['tok_s']:6.1f}" for m in methods)
+            differs = [k for k, v in row["equal"].items() if not v]
+            log(f"[{i + 1}/{len(prompts)}] {row.get('dataset', '')} {row.get('sample_id', '')}: tok/s {speeds}"
+                + (f"  (differs: {', '.join(differs)})" if differs else ""))
+    return rows
 
 
 def probe_llama_cpp(gguf: str, threads: int) -> dict[str, Any]:
@@ -157,15 +253,17 @@ def memory_floor(target, draft, repeats: int = 15, context: int = 200) -> dict[s
     adapter = TargetAdapter(target, draft.config.target_layer_ids)
     cache = adapter.new_cache()
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, adapter.vocab_size, (context + max(VERIFY_NODES),), generator=gen)
-    adapter.forward(ids[:context], torch.arange(context), cache, last_only=True)
+    ids = torch.randint(0, adapter.vocab_size, (1, context + max(VERIFY_NODES)), generator=gen)
+    positions = torch.arange(context + max(VERIFY_NODES))[None]
+    adapter.forward(ids[:, :context], positions[:, :context], cache, rows=torch.tensor([context - 1]))
     curve = {}
     for n in VERIFY_NODES:
-        tree = torch.tril(torch.ones(n, n, dtype=torch.bool))  # a chain-shaped tree: the mask path of a verify
+        # a chain-shaped tree under an explicit mask (the whole cache, then the new tokens' ancestors): a verify's path
+        visible = torch.cat([torch.ones(n, context, dtype=torch.bool), torch.ones(n, n, dtype=torch.bool).tril()], 1)
 
-        def verify(n=n, tree=tree):
-            adapter.forward(ids[context:context + n], torch.arange(context, context + n), cache,
-                            visibility=None if n == 1 else tree, last_only=n == 1)
+        def verify(n=n, visible=visible[None]):
+            adapter.forward(ids[:, context:context + n], positions[:, context:context + n], cache,
+                            visible=None if n == 1 else visible)
             adapter.crop(cache, context)
         curve[n] = median_seconds(verify, repeats=repeats, warmup=2) * 1e3
     weights = _weight_bytes(target)
@@ -221,13 +319,27 @@ def format_tables(summary: dict, floor: dict | None, prompts: int) -> str:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = prompt_parser("cpu_peers", __doc__, DEFAULT_DATASETS, METHODS, max_samples=2)
+    from dflash_core.cpu_kernels import KERNEL_CHOICES
+
+    p = argparse.ArgumentParser(prog="python -m experiments.studies.cpu_peers", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--datasets", default=",".join(DEFAULT_DATASETS), help="comma-separated (first turns only)")
+    p.add_argument("--max-samples", type=int, default=2, help="prompts per dataset (default 2)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                   help=f"comma-separated subset of {','.join(METHODS)}")
     p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto")
-    p.add_argument("--cpu-kernels", choices=("auto", "torch", "packed"), default="auto")
+    p.add_argument("--cpu-kernels", choices=KERNEL_CHOICES, default="auto")
     p.add_argument("--threads", type=int, default=2, help="torch threads and llama.cpp threads")
     p.add_argument("--no-floor", dest="floor", action="store_false", help="skip the memory-floor part")
     p.add_argument("--out", default="runs/cpu_peers/cpu_peers.json")
-    return split_lists(p, p.parse_args(argv), METHODS)
+    args = p.parse_args(argv)
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in args.methods if m not in METHODS]
+    if bad or not args.methods:
+        p.error(f"--methods: unknown {bad}; use a subset of {','.join(METHODS)}")
+    args.datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
+    return args
 
 
 def _runners(args, target, draft, stops, pad) -> tuple[dict[str, Callable], dict | None]:
@@ -236,7 +348,7 @@ def _runners(args, target, draft, stops, pad) -> tuple[dict[str, Callable], dict
     runners: dict[str, Callable] = {}
     llama = None
     for m in args.methods:
-        if m in ("ar", "hf_greedy"):
+        if m in ("ar", "hf_greedy", "pld", "hf_pld"):
             runners[m] = make_generator(m, target, stops, pad)
         elif m == "llama_cpp":
             gguf = str(gguf_path())
@@ -258,8 +370,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from dflash_core import load_default_pair
     from dflash_core.cpu_kernels import apply_cpu_kernels
     from dflash_core.default import default_dtype, stop_token_ids
-    from dflash_core.pools.catalog import build_chat
+    from dflash_core.training.pools.catalog import build_chat
     from dflash_core.timing import machine_identity
+    from experiments.bench.conversation import benchmark_prompts
     from experiments.bench.schema import write_json_atomic
     from experiments.bench.session import WARMUP_PROMPT
 
@@ -277,8 +390,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{str(target.dtype).removeprefix('torch.')}, kernels {kernels}, {args.threads} threads")
     t0 = time.perf_counter()
     pairs = [(m, "ar") for m in runners if m != "ar"]
-    rows = compare_prompts(target, prompts, max_new_tokens=args.max_new_tokens, warmup=warmup, labels=labels, log=log,
-                           runners=runners, pairs=pairs)
+    rows = compare_prompts(target, prompts, runners, args.max_new_tokens, pairs, warmup, labels, log)
     floor = memory_floor(target, draft) if args.floor else None
     summary = summarize(rows)
     print(format_tables(summary, floor, len(rows)))

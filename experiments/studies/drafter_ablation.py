@@ -151,7 +151,7 @@ def main(argv=None) -> None:
     a = parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    from dflash_core.default import load_default_target, stop_token_ids
+    from dflash_core.loading import load_target
     from dflash_core.training.fit import load_training_data
     from dflash_core.training.loop import setup_logging
 
@@ -159,8 +159,7 @@ def main(argv=None) -> None:
 
     out = Path(a.out)
     log = setup_logging(out).info
-    target, tokenizer = load_default_target(torch.bfloat16, a.device)  # the drafter trains on the target's device
-    stops = stop_token_ids(tokenizer)
+    target, tokenizer, stops = load_target("default", torch.bfloat16, a.device)  # the drafter trains on its device
     data = load_training_data(a.data, tokenizer, a.seed, eval_prompts=0, log=log)
     prompts = protocol_prompts(tokenizer)
     refs = reference_continuations(target, prompts, 128, stops,

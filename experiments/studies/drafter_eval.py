@@ -27,7 +27,7 @@ PROTOCOL = (("gsm8k", 4, "math"), ("math500", 4, "math"), ("humaneval", 8, "code
 
 def protocol_prompts(tokenizer) -> list[tuple[str, str, str, list[int]]]:
     """[(group, dataset, sample_id, prompt ids)] of the fixed protocol."""
-    from dflash_core.pools.catalog import build_chat, select_items
+    from dflash_core.training.pools.catalog import build_chat, select_items
 
     out = []
     for name, n, group in PROTOCOL:
@@ -171,10 +171,10 @@ def _load_drafters(a, dtype) -> tuple[list[str], list]:
 
 
 def _bigram_drafter(a, dtype, tokenizer):
-    """The first drafter with :func:`dflash_core.markov.bigram_head` over the committed training answers."""
+    """The first drafter with :func:`dflash_core.model.bigram_head` over the committed training answers."""
     from dflash_core import load_draft
     from dflash_core.default import DEFAULT_DRAFT_DIR
-    from dflash_core.markov import bigram_head
+    from dflash_core.model import bigram_head
     from dflash_core.training.fit import load_training_data
 
     draft = load_draft(a.draft[0], device=a.device_resolved, dtype=dtype)
@@ -249,14 +249,14 @@ def main(argv=None) -> None:
     a = parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    from dflash_core.default import load_default_target, resolve_device, stop_token_ids
+    from dflash_core.default import resolve_device
+    from dflash_core.loading import load_target
 
     from experiments.bench.models import resolve_dtype
 
     a.device_resolved = resolve_device(a.device)
     dtype = resolve_dtype(a.dtype or "auto", a.device_resolved)
-    target, tokenizer = load_default_target(dtype, a.device_resolved)
-    stops = stop_token_ids(tokenizer)
+    target, tokenizer, stops = load_target("default", dtype, a.device_resolved)
     labels, drafts = _load_drafters(a, dtype)
     if a.bigram is not None:
         labels.append(f"{labels[0]}+bigram{a.bigram:g}")

@@ -167,7 +167,7 @@ def main(argv=None) -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     from dflash_core import load_draft
-    from dflash_core.default import load_default_target, stop_token_ids
+    from dflash_core.loading import load_target
     from dflash_core.timing import cpu_model
     from dflash_core.training.train_config import TrainConfig
     from dflash_core.training.responses import teacher_forced_ceiling
@@ -180,8 +180,7 @@ def main(argv=None) -> None:
     log = setup_logging(out).info
     log(f"options: {json.dumps(vars(a), sort_keys=True)}")
     mix = parse_mix(a.mix)
-    target, tokenizer = load_default_target(torch.bfloat16, a.device)  # the drafter trains on the target's device
-    stops = stop_token_ids(tokenizer)
+    target, tokenizer, stops = load_target("default", torch.bfloat16, a.device)  # the drafter trains on its device
     prior, manifest = _prior_log(a.log, log)
     cursor = Cursor(**prior.get("cursor", {}))
     draft = load_draft(a.init, dtype=torch.float32)

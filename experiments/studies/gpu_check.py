@@ -49,7 +49,7 @@ from typing import Any, Callable
 import torch
 
 from ddtree.cost import measure_cost_model
-from dflash_core.policy import BlockPolicy
+from dflash_core.tree import BlockPolicy
 from dflash_core.tree import DraftTree
 from dflash_core.timing import median_seconds
 
@@ -134,19 +134,18 @@ def _random_logits(rows: int, vocab: int, seed: int, scale: float = 4.0) -> torc
 def oracle_check(target, layer_ids, config: CheckConfig, device: torch.device) -> dict[str, Any]:
     """Tree logits from one forward vs a causal forward over each node's root path, on the same cache."""
     from ddtree import build_tree
+    from dflash_core.decoding import LiveModels
     from dflash_core.target import TargetAdapter
-    from dflash_core.decoding import compile_proposal
 
     adapter = TargetAdapter(target, layer_ids)
     vocab, ctx = adapter.vocab_size, config.context
     gen = torch.Generator().manual_seed(1)
-    cache = adapter.new_cache()
-    adapter.forward(torch.randint(0, vocab, (ctx,), generator=gen), torch.arange(ctx), cache, with_features=False)
+    models, _ = LiveModels.prefilled(adapter, None, [torch.randint(0, vocab, (1, ctx), generator=gen)], False)
+    cache = models.cache
     tree = build_tree(_random_logits(config.block_size - 1, vocab, 2), config.oracle_budget)
     root = int(torch.randint(0, vocab, (1,), generator=gen))
-    ids, positions, visibility = compile_proposal(tree, root, ctx)
-    tree_logits = adapter.forward(ids, positions, cache, visibility=visibility, with_features=False).logits.cpu()
-    adapter.crop(cache, ctx)
+    tree_logits = models.verify([0], [tree], [root])[0].cpu()  # the loop's verify step
+    models.rewind([ctx])
     parents = tree.parents.tolist()
     max_diff, diffs, agree = 0.0, [], 0
     for node in range(-1, len(tree)):  # -1 = the root itself
@@ -155,7 +154,7 @@ def oracle_check(target, layer_ids, config: CheckConfig, device: torch.device) -
             path.append(cur)
             cur = parents[cur]
         seq = torch.tensor([root] + [int(tree.token_ids[i]) for i in reversed(path)])
-        ref = adapter.forward(seq, ctx + torch.arange(len(seq)), cache, with_features=False).logits[-1].cpu()
+        ref = adapter.forward(seq[None], ctx + torch.arange(len(seq))[None], cache, with_features=False).logits[-1].cpu()
         adapter.crop(cache, ctx)
         got = tree_logits[node + 1]
         diff = float((got - ref).abs().max())
@@ -270,27 +269,25 @@ def verify_curve(target, layer_ids, config: CheckConfig, device: torch.device,
                  context: int | None = None) -> dict[str, Any]:
     """Median ms of one target forward appending N tokens (tree mask and causal) to a ``context``-token cache."""
     from ddtree import build_tree
+    from dflash_core.decoding import LiveModels
     from dflash_core.target import TargetAdapter
-    from dflash_core.decoding import compile_proposal
 
     adapter = TargetAdapter(target, layer_ids)
     vocab, ctx = adapter.vocab_size, context or config.context
     gen = torch.Generator().manual_seed(3)
-    cache = adapter.new_cache()
-    adapter.forward(torch.randint(0, vocab, (ctx,), generator=gen), torch.arange(ctx), cache)
+    models, _ = LiveModels.prefilled(adapter, None, [torch.randint(0, vocab, (1, ctx), generator=gen)])
     tree_ms, causal_ms, depths = [], [], []
     for n in config.nodes:
         tree = build_tree(_random_logits(config.block_size - 1, vocab, n), n - 1)
-        ids, positions, visibility = compile_proposal(tree, 0, ctx)
-        ids = torch.randint(0, vocab, (len(ids),), generator=gen)
+        ids = torch.randint(0, vocab, (1, n), generator=gen)
 
-        def tree_forward():
-            adapter.forward(ids, positions, cache, visibility=visibility)
-            adapter.crop(cache, ctx)
+        def tree_forward():  # the loop's verify step: root + the tree's nodes under their ancestor mask
+            models.verify([0], [tree], [0])
+            models.rewind([ctx])
 
         def causal_forward():
-            adapter.forward(ids, ctx + torch.arange(len(ids)), cache)
-            adapter.crop(cache, ctx)
+            adapter.forward(ids, ctx + torch.arange(n)[None], models.cache)
+            models.rewind([ctx])
 
         tree_ms.append(median_ms(tree_forward, device, config))
         causal_ms.append(median_ms(causal_forward, device, config))
@@ -304,28 +301,28 @@ def verify_curve(target, layer_ids, config: CheckConfig, device: torch.device,
 def draft_cost(target, draft, config: CheckConfig, device: torch.device) -> dict[str, Any]:
     """Median ms of the drafter's block pass on a ``context``-token draft cache, the LM head, and tree building."""
     from ddtree import build_tree
+    from dflash_core.decoding import LiveModels
     from dflash_core.target import TargetAdapter
-    from dflash_core.decoding import draft_states
-    from dflash_core.model import DraftCache
 
     adapter = TargetAdapter(target, draft.config.target_layer_ids)
     vocab, ctx, b = adapter.vocab_size, config.context, draft.block_size
     gen = torch.Generator().manual_seed(4)
-    features = adapter.forward(torch.randint(0, vocab, (ctx + 4,), generator=gen), torch.arange(ctx + 4),
-                               adapter.new_cache()).features  # [ctx + 4, taps * hidden]
+    models, _ = LiveModels.prefilled(adapter, draft, [torch.randint(0, vocab, (1, ctx + 4), generator=gen)])
+    features = models.unread[0]  # [ctx + 4, taps * hidden]
     root = int(torch.randint(0, vocab, (1,), generator=gen))
-    cache = DraftCache()
 
     def first_pass():  # the whole prompt's context enters the draft cache
-        cache.crop(0)
-        draft_states(draft, adapter, root, features[:ctx], ctx, cache)
+        models.draft_caches[0].crop(0)
+        models.unread[0], models.lengths = features[:ctx], [ctx]
+        models.draft_states([0], [root])
 
     prefill_ms = median_ms(first_pass, device, config)
     first_pass()
 
     def steady_pass():  # a typical round (the loop's draft step): a few newly committed tokens join the context
-        out = draft_states(draft, adapter, root, features[ctx:], ctx + 4, cache)
-        cache.crop(ctx)
+        models.unread[0], models.lengths = features[ctx:], [ctx + 4]
+        out = models.draft_states([0], [root])[0]
+        models.draft_caches[0].crop(ctx)
         return out
 
     pass_ms = median_ms(steady_pass, device, config)
@@ -448,8 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_core.default import resolve_device
 
     try:
-        device = resolve_device("cpu" if args.allow_cpu and args.device == "auto" and not torch.cuda.is_available()
-                                else args.device)
+        device = resolve_device(args.device)
     except ValueError as err:
         raise SystemExit(f"gpu_check: {err}; --device cpu --tiny is the dry run") from err
     if device.type == "cpu" and not args.tiny:

@@ -27,9 +27,8 @@ from ddtree import ddtree_generate
 from ddtree.budget import AutoBudget
 from ddtree.cost import curve_error, measure_cost_model
 from dflash_core import autoregressive_generate
-from dflash_core.cpu_kernels import pack_linear_layers, set_packed_enabled
-from dflash_core.decoding import draft_states
-from dflash_core.model import DraftCache
+from dflash_core.cpu_kernels import KERNEL_CHOICES, pack_linear_layers, set_packed_enabled
+from dflash_core.decoding import LiveModels
 from dflash_core.target import TargetAdapter
 from dflash_core.timing import cpu_model, median_seconds
 from experiments.bench.models import resolve_dtype
@@ -63,14 +62,16 @@ def draft_split_ms(target, draft, context: int = 200, repeats: int = 7) -> dict:
     """Median ms of one steady-state drafter pass: its layers (4 new context tokens + a block) and its LM head."""
     adapter = TargetAdapter(target, draft.config.target_layer_ids)
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, adapter.vocab_size, (context + 4,), generator=g)
-    feats = adapter.forward(ids, torch.arange(context + 4), adapter.new_cache()).features
-    cache = DraftCache()
-    draft_states(draft, adapter, 0, feats[:context], context, cache)  # the context enters the draft cache
+    ids = torch.randint(0, adapter.vocab_size, (1, context + 4), generator=g)
+    models, _ = LiveModels.prefilled(adapter, draft, [ids])
+    feats = models.unread[0]  # [context + 4, taps * hidden]
+    models.unread[0], models.lengths = feats[:context], [context]
+    models.draft_states([0], [0])  # the context enters the draft cache
 
     def layers():  # the loop's draft step without the head: 4 newly committed tokens join the context
-        out = draft_states(draft, adapter, int(ids[-1]), feats[context:], context + 4, cache)
-        cache.crop(context)
+        models.unread[0], models.lengths = feats[context:], [context + 4]
+        out = models.draft_states([0], [int(ids[0, -1])])[0]
+        models.draft_caches[0].crop(context)
         return out
 
     hidden = layers()
@@ -138,7 +139,7 @@ def _run_all(target, draft, prompts, stops, methods, kernels, max_new_tokens: in
         return ddtree_generate(target, draft, x, policy=policy, max_new_tokens=n, stop_token_ids=stops), policy
 
     for k in kernels:
-        set_packed_enabled(k == "packed")
+        set_packed_enabled(k == "packed", target, draft)
         for m in methods:  # warm-up: every code path and shape once (``auto`` measures its cost curve here)
             run(m, prompts[0], 8)
     acc = {k: {m: {"tokens": 0, "rounds": 0, "nodes": 0, "decode": 0.0, **{s: 0.0 for s in STAGES}} for m in methods}
@@ -146,7 +147,7 @@ def _run_all(target, draft, prompts, stops, methods, kernels, max_new_tokens: in
     auto = {}
     for ids in prompts:
         for k in kernels:
-            set_packed_enabled(k == "packed")
+            set_packed_enabled(k == "packed", target, draft)
             for m in methods:
                 res, policy = run(m, ids, max_new_tokens)
                 e = acc[k][m]
@@ -173,7 +174,7 @@ def _print_kernel(r: dict) -> None:
 
 
 def main(argv=None) -> None:
-    kernel_choices = ("torch", "packed")
+    kernel_choices = tuple(k for k in KERNEL_CHOICES if k != "auto")  # compared side by side: no "auto"
     p = argparse.ArgumentParser(prog="python -m experiments.studies.profile_round",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--pair", choices=["default", "tiny"], default="default")
@@ -205,7 +206,7 @@ def main(argv=None) -> None:
     acc, auto = _run_all(target, draft, prompts, stops, methods, kernels, a.max_new_tokens)
     by_kernel = {}
     for k in kernels:
-        set_packed_enabled(k == "packed")
+        set_packed_enabled(k == "packed", target, draft)
         cost = measure_cost_model(target, draft, grid=(0, 1, 2, 4, 8, 16, 32, 64), context=200, use_cache=False)
         split = draft_split_ms(target, draft)
         plain = acc[k].get("ar")
@@ -217,7 +218,7 @@ def main(argv=None) -> None:
         if k in auto:
             by_kernel[k]["auto_online_curve_error"] = {
                 str(n): e for n, e in curve_error(auto[k].online_cost, auto[k].cost).items()}
-    set_packed_enabled(True)
+    set_packed_enabled(True, target, draft)
     hf_tps = hf_generate_tps(target, prompts, a.max_new_tokens, stops) if kernels == ["torch"] else None
     first = by_kernel[kernels[0]]
     result = {"cpu": cpu_model(), "device": str(target.device), "dtype": str(target.dtype), "threads": torch.get_num_threads(), "pair": a.pair,

@@ -20,23 +20,16 @@ steps also after each part), so a step that fails, runs out of time or takes the
 6. ``summary.json``       the one-screen summary that is also printed at the end.
 
 ``--check`` is the 5-minute form, the first thing a lent GPU runs (give the command 300 s): the same runner and step
-code, steps 1-3 only, under a 270 s budget (shares env 1 : verify 3 : exactness 5, so verify gets at most ~100 s and
-exactness the rest, at least ~140 s); steps 4-5 are not run, write no file, and the summary says so and which mode ran.
-Smaller sets, sized from the shapes:
+code, steps 1-3 only, under a 270 s budget (shares env 1 : verify 3 : exactness 5); steps 4-5 are not run, write no
+file, and the summary says so and which mode ran. Smaller sets, sized from the shapes and the torch ops of a round so
+that each step fits its share on one GPU:
 
-- verify: context 512 only, N = 1 ... 256, 3 timed runs after 1 warm-up. Qwen3-8B in bf16 is 16.4 GB of weights; a
-  forward appending <= 256 tokens to 512 is bound by reading them (~3.5 ms at 4.8 TB/s) and by eager overhead over
-  36 layers, so some 10-40 ms. The oracle (128 nodes: 129 causal forwards and one tree forward) and the curve
-  (9 sizes x 2 masks x 4 runs = 72 forwards) are then ~5-10 s; the process start and the random build dominate.
+- verify: context 512 only, N = 1 ... 256, 3 timed runs after 1 warm-up, the oracle on a 128-node tree;
 - exactness: budgets chain/8/32/128, 2 prompts of 64 tokens, 32 new tokens, drafter and oracle trees, fp32 and bf16,
-  the shipped drafter on a random SmolLM2-shaped target first, then the tiny pair. On the SmolLM2-shaped pair a
-  round issues 2,500-3,200 torch ops and a plain decoding step ~1,800 (counted on the CPU); at 10-20 us per op on
-  a GPU that is 25-65 ms per round. A random target accepts ~1 token per drafter round, so one (pair, dtype) is
-  2 x (32 plain steps + 4 x 31 drafter rounds + 4 x ~5 oracle rounds) ~ 350 rounds, 9-23 s; 30-80 s in all.
-These are estimates from the shapes and op counts, not yet timings of this mode on a GPU.
+  the shipped drafter on a random SmolLM2-shaped target first, then the tiny pair.
 
-``--device cpu --tiny`` runs the same steps on tiny shapes in about 20 s (``--check``: about 10 s); the test suite
-runs both (docs/gpu.md).
+``--device cpu --tiny`` runs the same steps on tiny shapes (with ``--check`` too); the test suite runs both
+(docs/gpu.md).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_core.markov import MarkovHead
+from dflash_core.model import MarkovHead
 from dflash_core.model import DFlashDraftModel, DraftLayer
 
 __all__ = ["Arm", "ARMS", "deepen", "widen_vocab", "strip_markov", "apply_arm"]

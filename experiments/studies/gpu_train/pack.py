@@ -22,7 +22,9 @@ PART_BYTES = 15 * 2**20  # one file back from the device may hold 16 MiB
 
 def pack(out: str | Path, eval_prompts: int = 6, seed: int = 0, log=print) -> dict:
     """Write ``train.npz`` and ``protocol.json`` into ``out``; returns their summary."""
-    from dflash_core.default import DEFAULT_DRAFT_DIR, load_default_target, stop_token_ids
+    from dflash_core.default import DEFAULT_DRAFT_DIR
+    from dflash_core.files import atomic_write
+    from dflash_core.loading import load_target
     from dflash_core.training.corpus import build_draft_vocab
     from dflash_core.training.fit import load_training_data
     from experiments.bench.schema import write_json_atomic
@@ -30,20 +32,22 @@ def pack(out: str | Path, eval_prompts: int = 6, seed: int = 0, log=print) -> di
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    _, tokenizer = load_default_target(torch.float32, "cpu")
+    _, tokenizer, stops = load_target("default", torch.float32, "cpu")
     data = load_training_data([DEFAULT_DRAFT_DIR / "data"], tokenizer, seed, eval_prompts, log)
     width = np.uint16 if tokenizer.vocab_size <= 2**16 and len(tokenizer) <= 2**16 else np.uint32
     ids = [s.numpy().astype(width) for s, _ in data.sequences]
-    ranked = build_draft_vocab(data.responses, 16384, always=stop_token_ids(tokenizer))
-    tmp = out / "train.tmp.npz"
-    np.savez_compressed(tmp, tokens=np.concatenate(ids), lengths=np.array([len(x) for x in ids], dtype=np.int64),
-                        prompt_lens=np.array([p for _, p in data.sequences], dtype=np.int64),
-                        ranked_vocab=ranked.numpy())
-    tmp.replace(out / "train.npz")
+    ranked = build_draft_vocab(data.responses, 16384, always=stops)
+    arrays = dict(tokens=np.concatenate(ids), lengths=np.array([len(x) for x in ids], dtype=np.int64),
+                  prompt_lens=np.array([p for _, p in data.sequences], dtype=np.int64), ranked_vocab=ranked.numpy())
+
+    def save(tmp: Path) -> None:
+        with open(tmp, "wb") as f:  # a file object: numpy would add ".npz" to the temporary name
+            np.savez_compressed(f, **arrays)
+    atomic_write(out / "train.npz", save)
     prompts = [{"group": g, "dataset": d, "sample_id": s, "ids": p} for g, d, s, p in protocol_prompts(tokenizer)]
     summary = {"sequences": len(ids), "tokens": int(sum(len(x) for x in ids)),
                "response_tokens": data.response_tokens, "held_out": eval_prompts, "seed": seed,
-               "protocol_prompts": len(prompts), "stops": stop_token_ids(tokenizer)}
+               "protocol_prompts": len(prompts), "stops": stops}
     write_json_atomic(out / "protocol.json", {"prompts": prompts, "summary": summary})
     log(f"packed {summary} into {out}")
     return summary

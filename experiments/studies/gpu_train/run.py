@@ -92,6 +92,7 @@ def _choose(summary: dict, labels: list[str], keep: int = 2) -> list[str]:
 
 def run(a: argparse.Namespace) -> dict:
     from dflash_core.default import DEFAULT_DRAFT_DIR
+    from dflash_core.default import resolve_device
     from dflash_core.model import load_draft
     from experiments.bench.schema import write_json_atomic
 
@@ -104,7 +105,7 @@ def run(a: argparse.Namespace) -> dict:
     work, out = Path(a.work), Path(a.out)
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    device = "cuda" if a.device == "auto" and torch.cuda.is_available() else ("cpu" if a.device == "auto" else a.device)
+    device = str(resolve_device(a.device))
     _target(a.target, torch.device(device))  # builds the dequantized cache once, before the workers race for it
     init = Path(a.init or DEFAULT_DRAFT_DIR)
     strip_markov(load_draft(init, dtype=torch.float32)).save_pretrained(work / "v4", dtype=torch.bfloat16)

@@ -54,7 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _target(name: str, device: torch.device):
-    from dflash_core.training.targets import load_training_target
+    from dflash_core.loading import load_target
 
     if name == "tiny":
         from experiments.bench.models import tiny_target
@@ -64,7 +64,7 @@ def _target(name: str, device: torch.device):
         from experiments.studies.gpu_run.steps import smollm2_shaped_pair
 
         return smollm2_shaped_pair(torch.bfloat16, device)[0]
-    target, _, _ = load_training_target(name, torch.bfloat16, device)
+    target, _, _ = load_target(name, torch.bfloat16, device)
     return target
 
 

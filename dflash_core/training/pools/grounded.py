@@ -478,8 +478,8 @@ def _code_items(humaneval: list[_Code], fastchat: list[_Code]) -> list[Benchmark
 def load_grounded(benchmark_split: Split, training_split: Split) -> list[BenchmarkItem]:
     """The whole pool (84 items, 12 of each kind in :data:`KINDS`, each two turns), in kind order.
 
-    ``benchmark_split`` and ``training_split`` are the catalogue's (:mod:`dflash_core.pools.catalog`): the items are
-    drawn from the first and checked against the second."""
+    ``benchmark_split`` and ``training_split`` are the catalogue's (:mod:`.catalog`): the items are drawn from the
+    first and checked against the second."""
     root = MTBENCH_PKG.file(f"{_FASTCHAT}/README.md").parent  # raises DatasetUnavailableError when missing
     banned = _training_shingles(training_split)
     items = (_prose_items(_passages(root)) + _math_items(_gsm8k_items(banned, benchmark_split))

@@ -1,9 +1,9 @@
 """What every prompt pool is made of: the item type, the prompt formats the papers use, the installed packages the
 offline pools are read from, and the word shingles the contamination filters compare.
 
-It sits below both the catalogue (:mod:`dflash_core.pools.catalog`, which loads and splits the pools) and the
-input-grounded set (:mod:`dflash_core.pools.grounded`, one of those pools, built from the others), so that neither
-has to import the other for these shared pieces.
+It sits below both the catalogue (:mod:`.catalog`, which loads and splits the pools) and the input-grounded set
+(:mod:`.grounded`, one of those pools, built from the others), so that neither has to import the other for these
+shared pieces.
 """
 
 from __future__ import annotations

