@@ -213,7 +213,7 @@ def _best_first_heap(values: list[list[float]], tokens: list[list[int]], budget:
 def reference_build_tree(draft_logits: torch.Tensor, budget: int, token_map: torch.Tensor | None = None) -> DraftTree:
     """Plain DDTree construction: full-vocabulary log-softmax, top-K per row (K = min(budget, vocab)), heap loop.
 
-    Readable and obviously right; the oracle for ``build_tree`` and the baseline of ``experiments.studies.bench_tree``.
+    Readable and obviously right; the oracle for ``build_tree``.
     """
     depth, vocab, budget = _check_inputs(draft_logits, budget, token_map)
     if budget == 0 or depth == 0:

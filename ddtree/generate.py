@@ -35,7 +35,7 @@ from .build import best_tree
 from .lookup import LookupTreePolicy
 from .sampled import SampledTreePolicy
 
-__all__ = ["BATCH_BUDGETS", "BUDGET_WORDS", "FixedBudget", "TREE_KINDS", "check_verifiable", "ddtree_generate",
+__all__ = ["BUDGET_WORDS", "FixedBudget", "TREE_KINDS", "check_verifiable", "ddtree_generate",
            "make_policy",
            "parse_budget"]
 
@@ -153,9 +153,6 @@ def _policy_for(target, draft, budget, tree: str, lookup: bool, temperature: flo
     return make_policy(budget, target, draft, tree=tree, temperature=temperature, seed=seed, lookup=lookup, **auto)
 
 
-BATCH_BUDGETS = ("shared", "per-sequence")  # how ``auto`` sizes the trees of a batch (ddtree.budget.SharedBudget)
-
-
 def ddtree_generate(
     target,
     draft,
@@ -172,7 +169,6 @@ def ddtree_generate(
     lookup: bool = False,
     check_trees: bool = False,
     attention_mask: torch.Tensor | None = None,
-    batch_budget: str = "shared",
     memory: RoundMemory | None = None,
 ) -> GenerationResult | list[GenerationResult]:
     """Speculative decoding with a DDTree draft tree per round; the output is exactly the target's.
@@ -194,17 +190,14 @@ def ddtree_generate(
 
     A batch: ``input_ids`` a list of prompts ([T] or [1, T], any lengths) or padded [B, T] ids with an
     ``attention_mask``; returns one result per prompt. Each sequence has its own policy (``policy=`` is copied per
-    sequence) and a generator seeded ``seed + b``; all trees of a round are verified in one target forward.
-    ``batch_budget`` (``budget="auto"`` in a batch): ``"shared"`` (default) picks one tree size per round for the
-    whole batch, ``"per-sequence"`` lets each sequence's ``auto`` pick its own.
+    sequence) and a generator seeded ``seed + b``; all trees of a round are verified in one target forward, and
+    ``auto`` picks one tree size per round for the whole batch (:class:`~ddtree.budget.SharedBudget`).
 
     ``memory`` (``"auto"`` / ``"chain-auto"``): what ``auto`` learnt from earlier rounds (the drafter's calibration
     against what the target accepted, online corrections of the cost curve), a :class:`~ddtree.budget.RoundMemory`
     the caller holds and passes to later calls to carry it over; None starts fresh from the cost curve cached on
     disk, the same every time. The sequences of one call share it.
     """
-    if batch_budget not in BATCH_BUDGETS:
-        raise ValueError(f"batch_budget must be one of {BATCH_BUDGETS}, got {batch_budget!r}")
     request = Request.check(input_ids, max_new_tokens, temperature, stop_token_ids, seed, attention_mask)
     count = len(request.prompts)
     if policy is not None:
@@ -222,7 +215,7 @@ def ddtree_generate(
         # ``auto``: every sequence prices its rounds with the batch's curve at the longest prompt (one measurement)
         policies = [_policy_for(target, draft, budget, tree, lookup, temperature, seed + b, request.longest, count,
                                 memory) for b in range(count)]
-    shared = batch_budget == "shared" and count > 1 and all(isinstance(p, AutoBudget) for p in policies)
+    shared = count > 1 and all(isinstance(p, AutoBudget) for p in policies)
     results = decode(target, draft, request, policies, block_size, trace, check_trees,
                      SharedBudget(policies) if shared else None)
     for r, pol in zip(results, policies):

@@ -2,13 +2,11 @@
 
 A speculative round multiplies a few rows (1 root + 2-64 draft nodes) by every weight matrix of the target. ``F.linear``
 on a CPU hands each call to MKL (fp32) or oneDNN (bf16) with the weight in its plain layout; for short inputs the
-per-call preparation is a large share of the product (on an Intel Xeon with AMX, bf16: packed products took 0.5-0.6x
-of ``F.linear``'s time at 1-64 rows, see the README).
+per-call preparation is a large share of the product (how much it saves per CPU and dtype: docs/results.md).
 :func:`pack_linear_layers` replaces a model's ``nn.Linear`` modules by :class:`PackedLinear`, which keeps the same
 parameters (state dicts, tied embeddings and dtype checks are unchanged) and multiplies with oneDNN's inner product on
-a copy of the weight reordered once (``torch.ops.mkldnn``). ``python -m experiments.studies.cpu_gemm_study`` measures
-the kernels on the machine at hand; ``python -m experiments.studies.profile_round --kernels packed`` the effect on whole
-rounds.
+a copy of the weight reordered once (``torch.ops.mkldnn``). :func:`choose_cpu_kernels` measures both on the machine
+at hand; ``python -m experiments.studies.profile_round --kernels torch,packed`` the effect on whole rounds.
 
 For inference: a module falls back to ``F.linear`` whenever autograd is recording, the input is not on the CPU or not
 in the weight's dtype, or oneDNN on this CPU has no kernel for that dtype (bf16 without avx512_bf16/AMX, fp16 without

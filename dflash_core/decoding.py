@@ -495,9 +495,9 @@ class LiveModels:
                 kept = self._features[b, torch.tensor(keep, device=self._features.device)]
                 unread = None if was_drafted else self.unread[s]  # a round without the drafter read nothing
                 self.unread[s] = kept if unread is None else torch.cat([unread, kept])
-        most = max(len(row) for row in sources)
-        pad = lambda rows: [row + [row[-1]] * (most - len(row)) for row in rows]  # noqa: E731 a repeated pair
-        self.adapter.move_slots(self.cache, torch.tensor(pad(sources)), torch.tensor(pad(dests)), max(lengths))
+        most = max(len(row) for row in sources)  # shorter rows repeat their last pair (it rewrites the same entry)
+        sources, dests = ([row + [row[-1]] * (most - len(row)) for row in rows] for rows in (sources, dests))
+        self.adapter.move_slots(self.cache, torch.tensor(sources), torch.tensor(dests), max(lengths))
         self.lengths, self.width, self._features = lengths, max(lengths), None
 
     def finish(self, seqs: list[int]) -> None:

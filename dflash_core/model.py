@@ -31,7 +31,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -181,16 +181,6 @@ def window_mask(n_query: int, n_key: int, causal: bool, window: int | None,
     return visible[None, None]
 
 
-def _flash_attn_available(q: torch.Tensor) -> bool:
-    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
-        return False
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 class DraftAttention(nn.Module):
     def __init__(self, config: DFlashConfig, index: int = 0) -> None:
         super().__init__()
@@ -203,7 +193,6 @@ class DraftAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * hd, config.hidden_size, bias=bias)
         self.q_norm = RMSNorm(hd, config.rms_norm_eps)
         self.k_norm = RMSNorm(hd, config.rms_norm_eps)
-        self.use_flash_attn = False
 
     def _project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [B, S, hidden] -> k, v: [B, kv_heads, S, head_dim] (k normed and rotated)
@@ -235,11 +224,7 @@ class DraftAttention(nn.Module):
                 raise NotImplementedError("training with concatenated blocks (an attention mask) is not implemented "
                                           "for drafters with causal or sliding-window layers")
             attn_mask = window_mask(nq, nk, self.causal, self.window, q.device)
-        if attn_mask is None and self.use_flash_attn and _flash_attn_available(q):
-            from flash_attn import flash_attn_func
-
-            out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=False)
-        elif attn_mask is not None and self.num_heads != self.num_kv_heads:
+        if attn_mask is not None and self.num_heads != self.num_kv_heads:
             # SDPA's fused kernels do not take a mask together with enable_gqa=True (it then runs the math kernel,
             # which materializes [B, heads, Nq, Nk] float scores): repeat K/V up to the query heads instead.
             group = self.num_heads // self.num_kv_heads
@@ -356,11 +341,6 @@ class DFlashDraftModel(nn.Module):
             return sub
         full = sub.new_full((*sub.shape[:-1], head_weight.shape[0]), float("-inf"))
         return full.index_copy_(-1, token_map.to(sub.device), sub)
-
-    def set_flash_attention(self, enabled: bool) -> None:
-        """Use flash-attn for the (unmasked) decoding pass when it is installed and tensors are fp16/bf16 on CUDA."""
-        for layer in self.layers:
-            layer.self_attn.use_flash_attn = enabled
 
     def forward(
         self,
@@ -576,11 +556,9 @@ class MarkovScorer:
         log-softmax and one top-k over the batch) and keep them for :meth:`cached` and :attr:`known`. Keys already
         held with ``k`` children are skipped.
 
-        Why batched: each call costs a fixed ~0.1 ms (seven torch ops and their Python, the [r, V'] output matrix
-        read again) on top of its rows (a rank-128 row over 4,096 columns is 0.5 M multiply-adds), so a tree's two
-        dozen distributions cost far less in a few batches than one by one. Exact: every row is the same sum as
-        :meth:`logits` computes alone (row-wise ops only); log-softmax gives the same normalisation as a separate
-        log-sum-exp at a fifth of its cost here."""
+        Why batched: each call has a fixed cost (seven torch ops and their Python, the [r, V'] output matrix read
+        again) on top of its rows, so a tree's two dozen distributions cost far less in a few batches than one by
+        one. Exact: every row is the same sum as :meth:`logits` computes alone (row-wise ops only)."""
         k = min(k, self.base.shape[1])
         cache = self._cache
         todo = [key for key in dict.fromkeys(keys) if key not in cache or len(cache[key][0]) < k]
@@ -610,10 +588,6 @@ class MarkovScorer:
             rows = int((chain >= floor).sum()) if floor > -np.inf else log_probs.shape[0]
             parents = parents[:rows].numpy()  # [rows, w]
         return [(d + 2, int(c)) for d in range(parents.shape[0]) for c in parents[d]]
-
-    def prefetch(self, width: int, k: int) -> None:
-        """:meth:`fill` the ``k`` best children of the :meth:`likely_parents`: a guess, so exact whatever it holds."""
-        self.fill(self.likely_parents(width), k)
 
     @property
     def known(self) -> dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]:

@@ -80,8 +80,6 @@ def _methods(target, draft, prompts, max_new, stops):
         "planted-8": lambda: speculative_generate(target, draft, prompts, planted, max_new, stop_token_ids=stops),
         "auto": lambda: ddtree_generate(target, draft, prompts, budget="auto", max_new_tokens=max_new,
                                         stop_token_ids=stops),
-        "auto-per-sequence": lambda: ddtree_generate(target, draft, prompts, budget="auto", max_new_tokens=max_new,
-                                                     stop_token_ids=stops, batch_budget="per-sequence"),
         "lookup": lambda: ddtree_generate(target, draft, prompts, budget=8, lookup=True, max_new_tokens=max_new,
                                           stop_token_ids=stops),
     }
@@ -406,8 +404,6 @@ def test_a_shared_budget_gives_every_sequence_one_size_per_round(pair, monkeypat
     # every tree has the shared size, unless the sequence's built tree held fewer nodes
     assert sum(all(k == n for k in row) for row, n in zip(sizes, chosen)) >= 0.5 * len(sizes)
     assert len({n for n in chosen}) > 1  # the size follows the rounds
-    with pytest.raises(ValueError, match="batch_budget"):
-        ddtree_generate(target, draft, prompts[:2], budget="auto", max_new_tokens=4, batch_budget="each")
     with pytest.raises(TypeError, match="AutoBudget"):
         SharedBudget([Chain()])
 

@@ -229,7 +229,7 @@ def test_ranks_split_the_samples_and_rank0_merges(tmp_path):
 def test_gpu_check_tiny_cpu_path_writes_a_profile(tmp_path):
     from experiments.studies import gpu_check
     path = tmp_path / "profile.json"
-    assert gpu_check.main(["--allow-cpu", "--tiny", "--out", str(path)]) == 0
+    assert gpu_check.main(["--device", "cpu", "--tiny", "--out", str(path)]) == 0
     profile = json.loads(path.read_text())
     tiny = profile["models"]["tiny"]
     assert tiny["oracle"]["max_abs_diff"] < 1e-4 and tiny["oracle"]["argmax_agreement"] == 1.0

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from experiments.bench.run_folder import existing_records
 from experiments.bench.schema import (
     METHOD_LABELS,
     METHODS,
@@ -16,7 +17,6 @@ from experiments.bench.schema import (
     SampleRecord,
     Variant,
     append_record,
-    completed_keys,
     method_label,
     read_records,
     record_key,
@@ -135,11 +135,11 @@ def test_killed_writer_loses_at_most_the_record_in_flight(tmp_path):
 
 def test_resume_keys(tmp_path):
     path = tmp_path / "records.jsonl"
-    assert completed_keys(path) == set()
+    assert existing_records(tmp_path) == {}
     done = [make_record(sample_id=s, budget=b, temperature=t) for s in ("a", "b") for b in (16, "auto") for t in (0, 1)]
     for r in done:
         append_record(path, r)
-    keys = completed_keys(path)
+    keys = set(existing_records(tmp_path))
     assert len(keys) == len(done)
     assert record_key("gsm8k", "a", 0, Variant("ddtree", 16), 0) in keys  # int temperature normalised to float
     assert record_key("gsm8k", "a", 0, Variant("ddtree", 32), 0.0) not in keys

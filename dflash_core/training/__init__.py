@@ -14,7 +14,6 @@
 * :mod:`.loss`     -- the target's features and soft labels, and the drafter's weighted block loss;
 * :mod:`.loop`     -- the training loop: schedule, checkpoints, DDP, logging, export;
 * :mod:`.evaluate` -- the acceptance length tau with real greedy decoding;
-* :mod:`.memory`   -- the memory of one training step: the formula and a CPU measurement that checks it;
 * :mod:`.fit`      -- ``python -m dflash_core.training.fit``: train on accumulated shards (``--preset qwen3``: the
   published hyper-parameters for GPUs);
 * :mod:`.recipe`   -- ``python -m dflash_core.training.recipe``: datagen then fit, resumable;

@@ -23,7 +23,7 @@ import torch
 
 from ..files import write_text_atomic
 from ..model import MARKOV_KINDS, DFlashDraftModel, attach_markov_head, load_draft
-from .train_config import OBJECTIVES, DraftSpec, TrainConfig, make_draft_config
+from .train_config import DraftSpec, TrainConfig, make_draft_config
 from .corpus import build_draft_vocab, load_corpus, vocab_coverage
 from .evaluate import replay_evaluator, tau_evaluator
 from .loop import export_drafter, init_distributed, load_checkpoint, setup_logging, train
@@ -117,9 +117,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--warmup-frac", type=float, default=0.04)
     p.add_argument("--distill-weight", type=float, default=0.5)
-    p.add_argument("--objective", choices=OBJECTIVES, default="ce",
-                   help="per-position loss weights: 'ce' position decay (gamma), 'cutoff' nothing after the "
-                        "drafter's first miss in a block, 'credit' expected-acceptance credit")
     p.add_argument("--max-len", type=int, default=768)
     p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--eval-prompts", type=int, default=6)
@@ -198,7 +195,7 @@ def main(argv=None) -> None:
     loss_vocab = a.loss_vocab or ("draft" if a.draft_vocab else "batch")
     cfg = TrainConfig(gamma=a.gamma, anchors=a.anchors, seqs_per_step=a.seqs_per_step, lr=a.lr,
                       warmup_frac=a.warmup_frac, steps=a.steps, max_len=a.max_len, distill_weight=a.distill_weight,
-                      distill_topk=8, objective=a.objective, loss_vocab=loss_vocab, eval_every=a.eval_every, eval_prompts=a.eval_prompts,
+                      distill_topk=8, loss_vocab=loss_vocab, eval_every=a.eval_every, eval_prompts=a.eval_prompts,
                       eval_new_tokens=64, seed=a.seed,
                       cache_features=not data.has_features and not a.no_feature_cache,  # keep recomputed ones
                       time_budget_s=a.minutes * 60 if a.minutes else None)

@@ -25,7 +25,6 @@ from ..target import tapped_forward
 from ..blocks import block_attention_mask, block_inputs
 from .anchors import position_weights
 from .train_config import TrainConfig
-from .objective import objective_weights
 
 __all__ = ["SequenceFeatures", "target_features", "sequence_loss", "rows_loss", "draft_loss"]
 
@@ -204,7 +203,6 @@ def rows_loss(core, cfg: TrainConfig, head_weight: torch.Tensor, ids: torch.Tens
     # rows left without any term (an undraftable label and no soft labels) weigh 0; batch_weight counts every row,
     # so the mean stays over the same denominator on every rank (its value is a constant factor on this step)
     w = weights * (drafted | (mix > 0))
-    w = objective_weights(cfg.objective, w, logp, columns, drafted, valid)
     with torch.no_grad():
         first = weights == 1.0  # block position k = 1
         # top-1 agreement with the target's own choice when its distribution is known, else with the label (a label

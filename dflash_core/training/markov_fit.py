@@ -9,8 +9,7 @@ many epochs on the stored positions, each step one [batch, hidden] x [hidden, V'
 logits plus the head. The loss is the drafter's (:mod:`.loss`): position weights exp(-(k-1)/gamma), half the
 hard-label cross-entropy and half the cross-entropy against the target's renormalised top-k; a position whose label
 lies outside the draft vocabulary keeps its soft term (it cannot be drafted, but its distribution still teaches).
-Batches are whole blocks, so ``--objective cutoff`` or ``credit`` (:mod:`.objective`) can weigh each position by its
-block; ``--steps`` fixes the work of arms compared on a busy machine.
+Batches are whole blocks; ``--steps`` fixes the work of arms compared on a busy machine.
 Writes ``drafter/`` (the drafter with its head, bf16) and ``summary.json``.
 """
 
@@ -30,8 +29,7 @@ from ..model import MARKOV_KINDS, attach_markov_head, draft_index
 from ..model import load_draft
 from ..target import tapped_forward
 from .anchors import position_weights, sample_anchors
-from .train_config import OBJECTIVES, TrainConfig
-from .objective import objective_weights
+from .train_config import TrainConfig
 from .loss import SequenceFeatures, _predicted_hidden
 
 __all__ = ["collect_positions", "train_head", "main"]
@@ -102,12 +100,8 @@ def _inside(draft, token_ids: torch.Tensor) -> torch.Tensor:
     return torch.where(idx < (draft.config.draft_vocab_size or draft.config.vocab_size), idx, -1)
 
 
-def head_loss(draft, rows: torch.Tensor, batch: dict[str, torch.Tensor], distill_weight: float = 0.5,
-              objective: str = "ce", valid: torch.Tensor | None = None) -> torch.Tensor:
-    """The weighted loss of a batch of stored positions (see the module docstring); ``rows`` [V', H] float32.
-
-    ``objective`` other than ``"ce"`` (:mod:`.objective`) needs whole blocks: ``valid`` [blocks, b-1] says which
-    positions of each block the batch's rows are (row-major, each block a prefix)."""
+def head_loss(draft, rows: torch.Tensor, batch: dict[str, torch.Tensor], distill_weight: float = 0.5) -> torch.Tensor:
+    """The weighted loss of a batch of stored positions (see the module docstring); ``rows`` [V', H] float32."""
     states = batch["states"].float()
     logits = states @ rows.t() + draft.markov(batch["prev"], states)  # [n, V']
     logp = torch.log_softmax(logits, dim=-1)
@@ -117,12 +111,7 @@ def head_loss(draft, rows: torch.Tensor, batch: dict[str, torch.Tensor], distill
     p = p / p.sum(-1, keepdim=True).clamp(min=1e-12)
     soft = -(p * logp.gather(1, batch["soft_ids"].clamp(min=0))).sum(-1)
     row = (1 - distill_weight) * hard + distill_weight * soft
-    w = batch["w"]
-    if objective != "ce":
-        if valid is None:
-            raise ValueError(f"objective {objective!r} weighs positions by their block: pass valid (whole blocks)")
-        w = objective_weights(objective, w, logp, label, inside, valid)
-    return (w * row).sum() / batch["w"].sum()
+    return (batch["w"] * row).sum() / batch["w"].sum()
 
 
 def block_spans(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,24 +121,22 @@ def block_spans(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return starts, torch.diff(starts, append=torch.tensor([len(w)]))
 
 
-def _block_batch(starts: torch.Tensor, lengths: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row indices of the chosen blocks (in block order) and their [blocks, width] valid mask."""
+def _block_batch(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Row indices of the chosen blocks (in block order)."""
     offsets = torch.cumsum(lengths, 0) - lengths
-    rows = torch.repeat_interleave(starts, lengths) + torch.arange(int(lengths.sum())) - torch.repeat_interleave(
+    return torch.repeat_interleave(starts, lengths) + torch.arange(int(lengths.sum())) - torch.repeat_interleave(
         offsets, lengths)
-    return rows, torch.arange(width)[None] < lengths[:, None]
 
 
 def train_head(draft, rows: torch.Tensor, data: dict[str, torch.Tensor], seconds: float, lr: float = 2e-3,
-               batch_size: int = 2048, seed: int = 0, log=print, objective: str = "ce",
-               steps: int | None = None) -> dict:
+               batch_size: int = 2048, seed: int = 0, log=print, steps: int | None = None) -> dict:
     """AdamW on the head alone for ``seconds`` (cosine schedule over the steps the first 5 steps project) or for
     exactly ``steps`` (equal work for arms compared on a loaded machine). Batches are whole blocks in a seeded order
-    (about ``batch_size`` positions each), so every objective sees each block's positions together."""
+    (about ``batch_size`` positions each)."""
     params = [p for p in draft.markov.parameters()]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     starts, lengths = block_spans(data["w"])
-    n, width = len(data["w"]), int(lengths.max())
+    n = len(data["w"])
     per_batch = max(1, round(len(starts) * min(batch_size, n) / n))  # blocks per batch
     g = torch.Generator().manual_seed(seed)
     order, at, step, total, history = torch.randperm(len(starts), generator=g), 0, 0, steps, []
@@ -159,11 +146,11 @@ def train_head(draft, rows: torch.Tensor, data: dict[str, torch.Tensor], seconds
             order, at = torch.randperm(len(starts), generator=g), 0
         pick = order[at: at + per_batch]
         at += per_batch
-        idx, valid = _block_batch(starts[pick], lengths[pick], width)
+        idx = _block_batch(starts[pick], lengths[pick])
         factor = min(1.0, (step + 1) / 20) * (0.5 * (1 + math.cos(math.pi * step / total)) if total else 1.0)
         for group in opt.param_groups:
             group["lr"] = lr * max(factor, 0.05)
-        loss = head_loss(draft, rows, {k: v[idx] for k, v in data.items()}, objective=objective, valid=valid)
+        loss = head_loss(draft, rows, {k: v[idx] for k, v in data.items()})
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -192,7 +179,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--positions", default=None,
                    help="a file of collected positions: read when it exists (no collection), else written")
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--objective", choices=OBJECTIVES, default="ce", help="per-position loss weights (see fit)")
     p.add_argument("--steps", type=int, default=None, help="train exactly this many steps (else --train-minutes)")
     p.add_argument("--batch", type=int, default=2048, help="positions per step (whole blocks, about this many)")
     p.add_argument("--anchors", type=int, default=48)
@@ -242,8 +228,8 @@ def main(argv=None) -> None:
     rows = draft.head_rows(target.lm_head.weight).float()
     draft.train()
     data = {k: v for k, v in stored.items() if v.dim() > 0}
-    stats = train_head(draft, rows, data, a.train_minutes * 60, a.lr, seed=a.seed, objective=a.objective,
-                       steps=a.steps, batch_size=a.batch)
+    stats = train_head(draft, rows, data, a.train_minutes * 60, a.lr, seed=a.seed, steps=a.steps,
+                       batch_size=a.batch)
     draft.eval()
     out = Path(a.out)
     draft.save_pretrained(out / "drafter", dtype=torch.bfloat16)

@@ -20,9 +20,6 @@ class DraftSpec:
     intermediate_size: int | None = None  # None = the target's
 
 
-OBJECTIVES = ("ce", "cutoff", "credit")
-
-
 @dataclass(frozen=True)
 class TrainConfig:
     gamma: float = 7.0  # position-weight decay, exp(-(k-1)/gamma)
@@ -39,10 +36,6 @@ class TrainConfig:
     max_len: int = 3072
     distill_weight: float = 0.5  # loss = (1-w) * CE(hard label) + w * CE(target's top-k distribution)
     distill_topk: int = 8
-    # how each predicted position's loss is weighted (see dflash_core.training.loss.objective_weights):
-    # "ce" the position decay above; "cutoff" that decay, and nothing after the drafter's first miss in the block;
-    # "credit" the expected-acceptance credit instead of the decay
-    objective: str = "ce"
     loss_vocab: str = "full"  # "full", "batch" (restricted) or "draft": see dflash_core.training.loss
     negatives: int = 2048
     autocast: bool = True  # bf16 autocast (CPU and CUDA)
@@ -55,10 +48,6 @@ class TrainConfig:
     eval_new_tokens: int = 64
     ckpt_every: int = 100
     seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
 
 
 def make_draft_config(target_config, spec: DraftSpec) -> DFlashConfig:

@@ -10,7 +10,7 @@ Files of one run folder::
 Durability: :func:`append_record` writes a whole line with one ``write`` followed by ``fsync``, so a run killed at
 any moment leaves at most one truncated last line; :func:`read_records` skips such a line with a warning and the next
 :func:`append_record` cuts it off before appending. Resuming a run = skip every :meth:`SampleRecord.record_key`
-already in :func:`completed_keys`.
+already in the run folder (``experiments.bench.run_folder.existing_records``).
 """
 
 from __future__ import annotations
@@ -213,10 +213,6 @@ class SampleRecord:
 
     # -- derived values
     @property
-    def num_rounds(self) -> int:
-        return len(self.acceptance_lengths)
-
-    @property
     def tau(self) -> float | None:
         """Mean committed tokens per round of this sample (None when no rounds were recorded)."""
         return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else None
@@ -326,12 +322,6 @@ def read_records(path: str | os.PathLike) -> list[SampleRecord]:
                 continue
             raise ValueError(f"{path}:{i + 1}: corrupt record: {err}") from None
     return records
-
-
-def completed_keys(path: str | os.PathLike) -> set[tuple]:
-    """Resume keys of the records already in ``path`` (empty when the file does not exist yet)."""
-    path = Path(path)
-    return {r.record_key() for r in read_records(path)} if path.exists() else set()
 
 
 def bootstrap_ci(values: list[float], statistic=None, level: float = 0.95, resamples: int = 2000,

@@ -10,7 +10,7 @@ its batch cost curve and starts its round memory there). A method's throughput a
 over all its calls' wall time (prefill included); the decode-only rate leaves the prefill out.
 
 Methods: ``ar`` (plain, batched), ``dflash`` (the chain), ``ddtree-N`` (fixed budgets, ``--budgets``), ``auto`` (one
-tree size per round for the batch), ``auto-per-sequence`` (each sequence's own) and ``auto+lookup``. For each B the table gives tokens/s, the ratio to plain at that B, tau, the best fixed budget and
+tree size per round for the batch) and ``auto+lookup``. For each B the table gives tokens/s, the ratio to plain at that B, tau, the best fixed budget and
 ``auto``'s mean tree size; outputs are compared token for token with plain decoding's (in bf16 a near-tie may round
 the other way in a differently grouped product; the count of equal outputs is reported).
 
@@ -35,9 +35,8 @@ __all__ = ["METHODS", "method_names", "make_runner", "summarize", "format_table"
 
 DEFAULT_DATASETS = ("gsm8k", "humaneval", "mt-bench", "grounded")
 DEFAULT_BUDGETS = (4, 8, 16, 32)
-# ``ddtree`` expands to one method per fixed budget; ``auto`` sizes a batch's trees together (one size per round),
-# ``auto-per-sequence`` lets each sequence's ``auto`` choose its own (``ddtree_generate(batch_budget=...)``)
-METHODS = ("ar", "dflash", "ddtree", "auto", "auto-per-sequence", "auto+lookup")
+# ``ddtree`` expands to one method per fixed budget; ``auto`` sizes a batch's trees together (one size per round)
+METHODS = ("ar", "dflash", "ddtree", "auto", "auto+lookup")
 SCHEMA = "throughput/1"
 WARMUP_TOKENS = 32
 
@@ -67,10 +66,9 @@ def make_runner(method: str, target, draft, stops: Sequence[int]) -> Callable:
         budget = int(method.removeprefix("ddtree-"))
         return lambda prompts, n: ddtree_generate(target, draft, prompts, budget=budget, max_new_tokens=n,
                                                   stop_token_ids=stops)
-    if method in ("auto", "auto-per-sequence", "auto+lookup"):
+    if method in ("auto", "auto+lookup"):
         return _auto_runner(method, target, draft, stops)
-    raise ValueError(f"unknown method {method!r}: use ar, dflash, ddtree-<N>, auto, auto-per-sequence or "
-                     "auto+lookup")
+    raise ValueError(f"unknown method {method!r}: use ar, dflash, ddtree-<N>, auto or auto+lookup")
 
 
 def _auto_runner(method: str, target, draft, stops: Sequence[int]) -> Callable:
@@ -79,7 +77,7 @@ def _auto_runner(method: str, target, draft, stops: Sequence[int]) -> Callable:
     its own, since it prices its rounds with its own cost curve."""
     from ddtree import RoundMemory, ddtree_generate, make_policy
 
-    lookup, per = method == "auto+lookup", "per-sequence" if method == "auto-per-sequence" else "shared"
+    lookup = method == "auto+lookup"
     memories: dict[int, RoundMemory] = {}
 
     def run(prompts, n):
@@ -87,8 +85,7 @@ def _auto_runner(method: str, target, draft, stops: Sequence[int]) -> Callable:
         longest = max(int(p.shape[-1]) for p in prompts)
         policies = [make_policy("auto", target, draft, lookup=lookup, context=longest, batch=len(prompts),
                                 memory=memory) for _ in prompts]
-        results = ddtree_generate(target, draft, prompts, policy=policies, max_new_tokens=n, stop_token_ids=stops,
-                                  batch_budget=per)
+        results = ddtree_generate(target, draft, prompts, policy=policies, max_new_tokens=n, stop_token_ids=stops)
         if lookup:
             for r, policy in zip(results, policies):
                 r.lookup_tokens = policy.lookup_committed
@@ -144,7 +141,7 @@ def summarize(cells: dict[str, dict[str, dict]], budgets: Sequence[int]) -> dict
         if fixed:
             best = max(fixed, key=fixed.get)
             entry["best_fixed"] = {"method": best, "tok_s": fixed[best]}
-            for name in ("auto", "auto-per-sequence", "auto+lookup"):
+            for name in ("auto", "auto+lookup"):
                 if name in methods:
                     entry[f"{name}_over_best_fixed"] = methods[name]["tok_s"] / fixed[best]
         summary[size] = entry

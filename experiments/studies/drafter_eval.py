@@ -124,11 +124,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "'lookup-auto' or 'lookup-32' add prompt-lookup branches")
     p.add_argument("--limit", type=int, default=None, help="only the first N prompts (smoke runs)")
     p.add_argument("--check-ar", action="store_true")
-    p.add_argument("--cast-inv-freq", action="store_true",
-                   help="reproduce the old behaviour: rotary frequencies cast to the model dtype (for comparisons)")
-    p.add_argument("--vocab-sizes", default="",
-                   help="also evaluate each drafter with its draft vocabulary cut to these sizes (its most frequent "
-                        "tokens), e.g. 4096,8192; 'full' drops the draft vocabulary")
     p.add_argument("--bigram", type=float, default=None,
                    help="also evaluate the first drafter with a count-based bigram of the committed training "
                         "answers as its Markov head, at this weight (a baseline for learned heads)")
@@ -145,29 +140,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _load_drafters(a, dtype) -> tuple[list[str], list]:
-    """(labels, drafters): every ``--draft``, then for each with a draft vocabulary a copy per ``--vocab-sizes``
-    entry (the vocabulary cut to that size, or dropped for 'full'); with ``--cast-inv-freq`` their rotary
-    frequencies cast to the model dtype."""
+    """(labels, drafters): every ``--draft`` with its ``--label`` (default: the folder's name)."""
     from dflash_core import load_draft
 
     labels = list(a.label or [Path(d).name for d in a.draft])
-    drafts = [load_draft(d, device=a.device_resolved, dtype=dtype) for d in a.draft]
-    for label, draft in list(zip(labels, drafts)):
-        for size in [v for v in a.vocab_sizes.split(",") if v]:
-            if draft.draft_vocab is None:
-                continue
-            copy = load_draft(a.draft[labels.index(label)], device=a.device_resolved, dtype=dtype)
-            if size == "full":
-                del copy._buffers["draft_vocab"]
-                copy.draft_vocab = None
-            else:
-                copy.set_draft_vocab(draft.draft_vocab[: int(size)])
-            labels.append(f"{label}@V{size}")
-            drafts.append(copy)
-    if a.cast_inv_freq:
-        for d in drafts:
-            d.rotary.inv_freq = d.rotary.inv_freq.to(dtype)
-    return labels, drafts
+    return labels, [load_draft(d, device=a.device_resolved, dtype=dtype) for d in a.draft]
 
 
 def _bigram_drafter(a, dtype, tokenizer):
@@ -275,7 +252,7 @@ def main(argv=None) -> None:
 
     cpu = cpu_model()
     result = {"summary": summary, "rows": rows, "dtype": str(dtype), "cpu": cpu, "threads": torch.get_num_threads(),
-              "max_new_tokens": a.max_new_tokens, "prompts": len(prompts), "cast_inv_freq": a.cast_inv_freq,
+              "max_new_tokens": a.max_new_tokens, "prompts": len(prompts),
               "mode": "replay" if a.replay else "decode loop"}
     print(f"tau ({'replayed' if a.replay else 'decode loop'}, greedy, {a.max_new_tokens} tokens, {len(prompts)} "
           f"prompts, {dtype}, {cpu}):")

@@ -436,7 +436,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="profile JSON to write, e.g. experiments/profiles/h200.json")
     parser.add_argument("--tiny", action="store_true", help="a tiny random model instead of the Qwen3 shapes")
     parser.add_argument("--device", default="auto", help="auto (CUDA when available, else the CPU), cuda, cuda:1, cpu")
-    parser.add_argument("--allow-cpu", action="store_true", help="the same as --device cpu (only with --tiny)")
     parser.add_argument("--models", default=None,
                         help="comma-separated subset of qwen3-4b,qwen3-8b (default: qwen3-8b)")
     parser.add_argument("--time-limit", type=float, default=None, help="seconds before remaining steps are skipped")

@@ -33,6 +33,7 @@ from dflash_core.target import TargetAdapter
 from dflash_core.timing import cpu_model, median_seconds
 from experiments.bench.models import resolve_dtype
 from experiments.bench.schema import write_json_atomic
+from experiments.studies.cpu_peers import make_generator
 
 
 def _load(pair: str, dtype_name: str, device: torch.device, draft_dir: str | None = None):
@@ -82,16 +83,13 @@ def draft_split_ms(target, draft, context: int = 200, repeats: int = 7) -> dict:
 
 
 def hf_generate_tps(target, prompts, max_new_tokens: int, stops) -> float:
-    """Tokens/s of Hugging Face greedy ``generate()`` over the prompts (batch 1 each)."""
-    total_tokens, total_s = 0, 0.0
+    """Tokens/s of Hugging Face greedy ``generate()`` over the prompts (batch 1 each; cpu_peers' runner)."""
+    run, timed = make_generator("hf_greedy", target, stops), []
     for ids in prompts:
         x = torch.tensor([ids], device=target.device)
         t0 = time.perf_counter()
-        out = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
-                              eos_token_id=stops or None, pad_token_id=stops[0] if stops else 0)
-        total_s += time.perf_counter() - t0
-        total_tokens += out.shape[1] - x.shape[1]
-    return total_tokens / total_s
+        timed.append((len(run(x, max_new_tokens)[0]), time.perf_counter() - t0))
+    return sum(n for n, _ in timed) / sum(s for _, s in timed)
 
 
 def _summarize(acc: dict, cost, t_plain: float, ar_tps: float | None) -> dict:

@@ -42,7 +42,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--anchors", type=int, default=256)
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--max-len", type=int, default=1024)
-    p.add_argument("--objective", default="ce")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target", default="smollm2",
                    help="'smollm2', or for smoke runs a random target: 'smollm2-random' (its shape) or 'tiny'")
@@ -107,7 +106,7 @@ def main(argv=None) -> dict:
     if budget_s <= 0:
         raise SystemExit(f"no training time left ({budget_s:.0f} s) after a setup of {time.perf_counter() - t0:.0f} s")
     cfg = TrainConfig(anchors=a.anchors, seqs_per_step=a.seqs_per_step, lr=a.lr, max_len=a.max_len,
-                      objective=a.objective, loss_vocab="draft" if draft.draft_vocab is not None else "full",
+                      loss_vocab="draft" if draft.draft_vocab is not None else "full",
                       cache_features=False, time_budget_s=budget_s, eval_every=25, ckpt_every=10**9,
                       seed=a.seed, batched=not a.per_sequence)
     state = train(target, draft, sequences, cfg, None, log, evaluate=_snapshot(out / "drafter-half",
