@@ -144,15 +144,6 @@ def check_verifiable(target, draft, budget: int, max_context: int) -> None:
                          "(the DDTree paper sweeps 16-1024)")
 
 
-def _policy_for(target, draft, budget, tree: str, lookup: bool, temperature: float, seed: int, context: int,
-                batch: int = 1, memory=None):
-    """The policy of one sequence from ``ddtree_generate``'s arguments (checked by the caller); in a batch of
-    ``batch`` sequences ``auto`` prices its rounds with that batch size's cost curve. ``memory``: ``auto``'s
-    :class:`~ddtree.budget.RoundMemory` (None: a fresh one; the sequences of one batch should share one)."""
-    auto = {"context": context, "batch": batch, "memory": memory} if budget in ("auto", "chain-auto") else {}
-    return make_policy(budget, target, draft, tree=tree, temperature=temperature, seed=seed, lookup=lookup, **auto)
-
-
 def ddtree_generate(
     target,
     draft,
@@ -208,13 +199,14 @@ def ddtree_generate(
     else:
         budget = parse_budget(32 if budget is None else budget)
         check_verifiable(target, draft, budget, request.longest + max_new_tokens)
-        if memory is not None and budget not in ("auto", "chain-auto"):
+        auto = {}  # ``auto``: every sequence prices rounds with the batch's curve at the longest prompt, one memory
+        if budget in ("auto", "chain-auto"):
+            memory = RoundMemory() if memory is None else memory  # (an empty memory is falsy: test for None)
+            auto = {"context": request.longest, "batch": count, "memory": memory}
+        elif memory is not None:
             raise ValueError(f"memory= is what budget='auto' learns; budget={budget!r} keeps none")
-        if memory is None and budget in ("auto", "chain-auto"):
-            memory = RoundMemory()
-        # ``auto``: every sequence prices its rounds with the batch's curve at the longest prompt (one measurement)
-        policies = [_policy_for(target, draft, budget, tree, lookup, temperature, seed + b, request.longest, count,
-                                memory) for b in range(count)]
+        policies = [make_policy(budget, target, draft, tree=tree, temperature=temperature, seed=seed + b,
+                                lookup=lookup, **auto) for b in range(count)]
     shared = count > 1 and all(isinstance(p, AutoBudget) for p in policies)
     results = decode(target, draft, request, policies, block_size, trace, check_trees,
                      SharedBudget(policies) if shared else None)

@@ -45,7 +45,7 @@ from .tree import ROOT, BlockPolicy, Chain, DraftBlock, DraftTree, NoDraft, chil
 
 __all__ = [
     "GenerationResult", "LiveModels", "ModelSide", "Request", "SequenceDecoder", "StageTimer", "TreeProposer",
-    "autoregressive_generate", "decode", "dflash_generate", "follow", "make_blocks", "policies_for", "prefill",
+    "autoregressive_generate", "decode", "dflash_generate", "follow", "make_blocks", "policies_for",
     "run_rounds", "speculative_generate", "tree_inputs", "truncate_at_stop", "verify_walk",
 ]
 
@@ -338,28 +338,6 @@ def make_blocks(draft: DFlashDraftModel, adapter: TargetAdapter, states: torch.T
             for rows, own, root in zip(logits, states, roots)]
 
 
-@torch.inference_mode()
-def prefill(adapter: TargetAdapter, prompts: list[torch.Tensor], with_features: bool
-            ) -> tuple[object, torch.Tensor, list[torch.Tensor | None]]:
-    """Ragged prompts ([1, T_b] each) enter one new target cache, right-padded. Returns (cache, the logits after each
-    prompt [B, V], each prompt's features [T_b, F] or None)."""
-    lengths = [int(p.shape[1]) for p in prompts]
-    width = max(lengths)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        ids[b, : lengths[b]] = p[0].cpu()
-    visible = None  # equal lengths: the causal order is exact
-    if min(lengths) != width:  # a prompt token sees its prompt's tokens before it; a padding row sees only itself
-        length = torch.tensor(lengths)
-        q, k = torch.arange(width)[:, None], torch.arange(width)[None, :]
-        visible = (k <= q)[None] & ((k[None] < length[:, None, None]) | (k == q)[None])
-    rows = torch.tensor([b * width + n - 1 for b, n in enumerate(lengths)])
-    cache = adapter.new_cache()
-    out = adapter.forward(ids, torch.arange(width).expand(len(prompts), -1), cache, visible, rows, with_features)
-    features = [None if out.features is None else out.features[b, :n] for b, n in enumerate(lengths)]
-    return cache, out.logits, features
-
-
 class LiveModels:
     """The live drafter and target behind :func:`run_rounds`, for a batch of any size (see the module docstring).
 
@@ -384,12 +362,27 @@ class LiveModels:
             layer.self_attn.causal or layer.self_attn.window is not None for layer in draft.layers)
 
     @classmethod
+    @torch.inference_mode()
     def prefilled(cls, adapter: TargetAdapter, draft: DFlashDraftModel | None, prompts: list[torch.Tensor],
-                  with_features: bool = True, block_size: int | None = None) -> tuple[LiveModels, torch.Tensor]:
-        """(the models after :func:`prefill` of ``prompts`` [1, T_b], the logits after each prompt [B, V])."""
-        cache, logits, features = prefill(adapter, prompts, with_features)
+                  with_features: bool = True, block_size: int | None = None, masks: bool = True
+                  ) -> tuple[LiveModels, torch.Tensor]:
+        """The prefill: ragged prompts ([1, T_b] each) enter one new target cache, right-padded, in one forward.
+        Returns (the models holding them, the logits after each prompt [B, V])."""
         lengths = [int(p.shape[1]) for p in prompts]
-        return cls(adapter, draft, cache, lengths, features, block_size, with_features), logits
+        width = max(lengths)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, : lengths[b]] = p[0].cpu()
+        visible = None  # equal lengths: the causal order is exact
+        if min(lengths) != width:  # a prompt token sees its prompt's tokens before it; a padding row sees only itself
+            length = torch.tensor(lengths)
+            q, k = torch.arange(width)[:, None], torch.arange(width)[None, :]
+            visible = (k <= q)[None] & ((k[None] < length[:, None, None]) | (k == q)[None])
+        rows = torch.tensor([b * width + n - 1 for b, n in enumerate(lengths)])
+        cache = adapter.new_cache()
+        out = adapter.forward(ids, torch.arange(width).expand(len(prompts), -1), cache, visible, rows, with_features)
+        features = [None if out.features is None else out.features[b, :n] for b, n in enumerate(lengths)]
+        return cls(adapter, draft, cache, lengths, features, block_size, with_features, masks), out.logits
 
     def rewind(self, lengths: list[int]) -> None:
         """Every sequence back to its first ``lengths[r]`` committed tokens (measurements repeat one round)."""
@@ -591,15 +584,13 @@ def decode(target, draft: DFlashDraftModel | None, request: Request, policies: l
     if request.max_new_tokens > 0:
         timer = StageTimer(device)
         with timer.stage("prefill"):  # the prompts enter the target cache; their features are the drafter's context
-            cache, logits, features = prefill(adapter, request.prompts, uses_draft)
+            models, logits = LiveModels.prefilled(adapter, draft, request.prompts, uses_draft, block_size, masks)
         histories = []
         for b, (prompt, result) in enumerate(zip(request.prompts, results)):
             root = follow(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), logits[b: b + 1],
                           request.temperature, generators[b])[1]
             result.new_token_ids.append(root)
             histories.append(prompt[0].tolist() + [root])
-        models = LiveModels(adapter, draft, cache, [int(p.shape[1]) for p in request.prompts], features, block_size,
-                            with_features=uses_draft, masks=masks)
         decoders = [SequenceDecoder(policy, stops, request.max_new_tokens, request.temperature, gen, check_trees)
                     for policy, gen in zip(policies, generators)]
         t_loop = time.perf_counter()

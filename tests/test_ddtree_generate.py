@@ -13,7 +13,7 @@ from conftest import forward_one, make_draft, make_target, prompt, record_masks
 from ddtree import DraftTree, build_tree, ddtree_generate
 from dflash_core import BlockPolicy, autoregressive_generate, dflash_generate, speculative_generate
 from dflash_core.target import TargetAdapter
-from dflash_core.decoding import LiveModels, prefill
+from dflash_core.decoding import LiveModels
 from test_decoding import chi_square_p, exact_joint, lossy_follow
 
 
@@ -22,8 +22,7 @@ def _live(target, length=9, seed=0):
     """The loop's live models for one prompt of ``length`` tokens, prefilled as the loop prefills."""
     adapter = TargetAdapter(target, (0, 2))
     p = prompt(seed, length, target.config.vocab_size)
-    cache, _, features = prefill(adapter, [p], True)
-    return adapter, LiveModels(adapter, None, cache, [length], features), p[0]
+    return adapter, LiveModels.prefilled(adapter, None, [p])[0], p[0]
 
 
 def _root_path(tree: DraftTree, node: int) -> list[int]:

@@ -94,7 +94,6 @@ def _spec_policy(spec, target, draft):
 def replay_rows(target, labels, drafts, budgets, prompts, refs, max_new_tokens: int, stops, t0: float,
                 quiet: bool = False) -> list[dict]:
     """Rows like the decode loop's (rounds and tokens per prompt, drafter and budget) from offline replay."""
-    from ddtree.generate import make_policy
     from dflash_core.replay import replay_policies
 
     rows = []
