@@ -305,7 +305,7 @@ class DraftTree:
         Probabilities (unless all are unknown, NaN): no NaN, a child is never more probable than its parent (path
         probabilities only shrink), and with ``best_first`` the nodes are in non-increasing log-probability order.
         ``structure_only``: only what positions, masks and cache compaction rely on (layout, parents first, depths,
-        ids >= 0): O(nodes) tensor operations, which the decode loop checks every round.
+        ids >= 0): one pass over the nodes, which the decode loop makes every round.
         """
         try:  # shapes and dtypes, as at construction (tensors can be resized in place since)
             self.__post_init__()
@@ -317,23 +317,19 @@ class DraftTree:
                 raise ValueError(f"DraftTree.{name} must live on the CPU, found {getattr(self, name).device}")
         if n == 0:
             return self
-        index = torch.arange(n)
-        bad = torch.nonzero((self.parents < ROOT) | (self.parents >= index)).flatten()
-        if bad.numel():
-            i = int(bad[0])
-            raise ValueError(f"node {i} has parent {int(self.parents[i])}; parents must satisfy -1 <= parents[i] < i")
-        has_parent = self.parents >= 0
-        parent_depth = torch.where(has_parent, self.depths[self.parents.clamp(min=0)], torch.zeros_like(self.depths))
-        bad = torch.nonzero(self.depths != parent_depth + 1).flatten()
-        if bad.numel():
-            i = int(bad[0])
-            raise ValueError(f"node {i} has depth {int(self.depths[i])} but its parent {int(self.parents[i])} "
-                             f"has depth {int(parent_depth[i])}; depth must be parent depth + 1")
-        if bool((self.token_ids < 0).any()):
-            i = int(torch.nonzero(self.token_ids < 0).flatten()[0])
-            raise ValueError(f"node {i} has negative token id {int(self.token_ids[i])}")
+        parents, depths, tokens = self.parents.tolist(), self.depths.tolist(), self.token_ids.tolist()
+        for i, (parent, depth, token) in enumerate(zip(parents, depths, tokens)):  # lists: cheap for every round
+            if not ROOT <= parent < i:
+                raise ValueError(f"node {i} has parent {parent}; parents must satisfy -1 <= parents[i] < i")
+            above = depths[parent] if parent >= 0 else 0
+            if depth != above + 1:
+                raise ValueError(f"node {i} has depth {depth} but its parent {parent} has depth {above}; depth must "
+                                 "be parent depth + 1")
+            if token < 0:
+                raise ValueError(f"node {i} has negative token id {token}")
         if structure_only:
             return self
+        has_parent = self.parents >= 0
         pairs = torch.stack([self.parents, self.token_ids], dim=1)  # [n, 2] (parent, token)
         if torch.unique(pairs, dim=0).shape[0] != n:
             seen: dict[tuple[int, int], int] = {}
