@@ -142,11 +142,17 @@ def test_sampling_in_a_batch_reproduces_each_solo_run_with_its_seed():
     target = make_target("llama", vocab=VOCAB)  # float64: no draw sits on a rounding boundary
     draft = make_draft(target, block_size=4)
     prompts = [prompt(40 + b, n, VOCAB) for b, n in enumerate([4, 11, 7])]
-    for budget in ("chain", 8):
-        together = ddtree_generate(target, draft, prompts, budget=budget, max_new_tokens=16, temperature=1.0, seed=5)
+    for budget, tree in (("chain", "topk"), (8, "topk"), (8, "sampled")):
+        together = ddtree_generate(target, draft, prompts, budget=budget, max_new_tokens=16, temperature=1.0, seed=5,
+                                   tree=tree)
         for b, p in enumerate(prompts):
-            alone = ddtree_generate(target, draft, p, budget=budget, max_new_tokens=16, temperature=1.0, seed=5 + b)
-            assert together[b].new_token_ids == alone.new_token_ids, (budget, b)
+            alone = ddtree_generate(target, draft, p, budget=budget, max_new_tokens=16, temperature=1.0, seed=5 + b,
+                                    tree=tree)
+            assert together[b].new_token_ids == alone.new_token_ids, (budget, tree, b)
+    together = autoregressive_generate(target, prompts, max_new_tokens=16, temperature=1.0, seed=5)
+    for b, p in enumerate(prompts):
+        alone = autoregressive_generate(target, p, max_new_tokens=16, temperature=1.0, seed=5 + b)
+        assert together[b].new_token_ids == alone.new_token_ids, ("plain", b)
     same = ddtree_generate(target, draft, [prompts[0]] * 3, budget=8, max_new_tokens=16, temperature=1.0)
     assert len({tuple(r.new_token_ids) for r in same}) > 1  # one prompt thrice: three different samples
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_draft, make_target, prompt
+from conftest import answer_counts, make_draft, make_target, prompt, sampled_answers
 from ddtree import ddtree_generate
 from ddtree.sampled import RecursiveRejection, SampledDraftTree, SampledTreePolicy
 from dflash_core import speculative_generate
@@ -192,14 +192,10 @@ def markov_pair():
 
 def loop_counts(markov_pair, make_policy, temperature: float) -> tuple[dict, list]:
     target, draft, p = markov_pair
-    counts: dict[tuple, int] = {}
-    trees: list = []
-    for seed in range(N_LOOP):
-        out = speculative_generate(target, draft, p, make_policy(seed), max_new_tokens=3, temperature=temperature,
-                                   seed=seed, trace=seed < 20)
-        counts[tuple(out.new_token_ids)] = counts.get(tuple(out.new_token_ids), 0) + 1
-        trees += out.trees or []
-    return counts, trees
+    results = sampled_answers(lambda seeds: speculative_generate(
+        target, draft, [p] * len(seeds), [make_policy(seed) for seed in seeds], max_new_tokens=3,
+        temperature=temperature, seed=seeds[0], trace=True), N_LOOP)
+    return answer_counts(results), [tree for out in results[:20] for tree in out.trees]
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 1.7])

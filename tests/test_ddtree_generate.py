@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dflash_core.decoding as decoding
-from conftest import forward_one, make_draft, make_target, prompt, record_masks
+from conftest import answer_counts, forward_one, make_draft, make_target, prompt, record_masks, sampled_answers
 from ddtree import DraftTree, build_tree, ddtree_generate
 from dflash_core import BlockPolicy, autoregressive_generate, dflash_generate, speculative_generate
 from dflash_core.target import TargetAdapter
@@ -230,11 +230,8 @@ def small_vocab_pair():
 
 
 def _joint(target, draft, p, policy):
-    counts = {}
-    for seed in range(N_SAMPLES):
-        out = speculative_generate(target, draft, p, policy, max_new_tokens=3, temperature=1.0, seed=seed)
-        counts[tuple(out.new_token_ids)] = counts.get(tuple(out.new_token_ids), 0) + 1
-    return counts
+    return answer_counts(sampled_answers(lambda seeds: speculative_generate(
+        target, draft, [p] * len(seeds), policy, max_new_tokens=3, temperature=1.0, seed=seeds[0]), N_SAMPLES))
 
 
 def test_tree_sampling_matches_target_distribution(small_vocab_pair):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dflash_core.decoding as decoding
-from conftest import make_draft, make_target, prompt
+from conftest import answer_counts, make_draft, make_target, prompt, sampled_answers
 from dflash_core import autoregressive_generate, dflash_generate, speculative_generate
 from dflash_core.tree import BlockPolicy, Chain, DraftTree, NoDraft
 
@@ -163,12 +163,8 @@ def lossy_follow(token_ids, parents, logits, temperature, generator):
 
 
 def sample_joint(target, draft, p, policy, n, steps=3):
-    counts = {}
-    for seed in range(n):
-        out = speculative_generate(target, draft, p, policy, max_new_tokens=steps, temperature=1.0, seed=seed)
-        key = tuple(out.new_token_ids)
-        counts[key] = counts.get(key, 0) + 1
-    return counts
+    return answer_counts(sampled_answers(lambda seeds: speculative_generate(
+        target, draft, [p] * len(seeds), policy, max_new_tokens=steps, temperature=1.0, seed=seeds[0]), n))
 
 
 @pytest.fixture(scope="module")

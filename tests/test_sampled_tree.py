@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_draft, make_target, prompt
+from conftest import answer_counts, make_draft, make_target, prompt, sampled_answers
 from ddtree import SampledTreePolicy, ddtree_generate
 from ddtree.sampled import RecursiveRejection, SampledDraftTree, sample_tree
 from dflash_core import autoregressive_generate, speculative_generate
@@ -391,12 +391,12 @@ N_LOOP = 700
 
 def test_ddtree_generate_sampled_matches_plain_sampling(tiny_pair):
     target, draft, p = tiny_pair
-    counts: dict[tuple, int] = {}
+    results = sampled_answers(lambda seeds: ddtree_generate(
+        target, draft, [p] * len(seeds), budget=6, max_new_tokens=3, temperature=1.0, seed=seeds[0], tree="sampled",
+        trace=True), N_LOOP)
+    counts = answer_counts(results)
     later_siblings = 0
-    for seed in range(N_LOOP):
-        out = ddtree_generate(target, draft, p, budget=6, max_new_tokens=3, temperature=1.0, seed=seed,
-                              tree="sampled", trace=seed < 100)
-        counts[tuple(out.new_token_ids)] = counts.get(tuple(out.new_token_ids), 0) + 1
+    for out in results[:100]:
         if out.trees:
             assert all(isinstance(t, SampledDraftTree) and len(t) <= 6 for t in out.trees)
             later_siblings += sum(sum(1 for c in t.children(-1)[1:]) for t in out.trees)

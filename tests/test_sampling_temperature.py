@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import dflash_core.decoding as decoding
-from conftest import make_draft, make_target, prompt
+from conftest import answer_counts, make_draft, make_target, prompt, sampled_answers
 from ddtree.sampled import SampledDraftTree, SampledTreePolicy
 from dflash_core import speculative_generate
 from dflash_core.tree import Chain, DraftBlock, NoDraft
@@ -60,11 +60,9 @@ def loop_p_value(pair, make_policy, n: int, temperature: float, claimed: float |
     """p-value of the loop's first three tokens (n seeds, one fresh policy each) against plain sampling at
     ``claimed`` (default: the loop's temperature)."""
     target, draft, p = pair
-    counts: dict[tuple, int] = {}
-    for seed in range(n):
-        out = speculative_generate(target, draft, p, make_policy(seed), max_new_tokens=3, temperature=temperature,
-                                   seed=seed)
-        counts[tuple(out.new_token_ids)] = counts.get(tuple(out.new_token_ids), 0) + 1
+    counts = answer_counts(sampled_answers(lambda seeds: speculative_generate(
+        target, draft, [p] * len(seeds), [make_policy(seed) for seed in seeds], max_new_tokens=3,
+        temperature=temperature, seed=seeds[0]), n))
     return chi_square_p(counts, exact_joint(target, p, 3, temperature if claimed is None else claimed), n)
 
 
@@ -115,12 +113,12 @@ def test_stop_tokens_inside_a_sampled_tree(pair):
     """A stop token accepted inside a sampled tree ends the answer there: the loop's answers (cut at token 1, which
     the fixed drafter proposes at depth 2) follow plain sampling with that stop token."""
     target, draft, p = pair
-    counts: dict[tuple, int] = {}
+    results = sampled_answers(lambda seeds: speculative_generate(
+        target, draft, [p] * len(seeds), [FixedSampled(6, 1.0, seed=seed) for seed in seeds], max_new_tokens=3,
+        temperature=1.0, seed=seeds[0], stop_token_ids=[1], trace=True), N_TEMPERATURE)
+    counts = answer_counts(results)
     cut_in_round = 0
-    for seed in range(N_TEMPERATURE):
-        out = speculative_generate(target, draft, p, FixedSampled(6, 1.0, seed=seed), max_new_tokens=3,
-                                   temperature=1.0, seed=seed, stop_token_ids=[1], trace=True)
-        counts[tuple(out.new_token_ids)] = counts.get(tuple(out.new_token_ids), 0) + 1
+    for out in results:
         if out.trees and out.new_token_ids[-1] == 1:
             last = out.new_token_ids[-out.acceptance_lengths[-1]:]
             tree, node = out.trees[-1], -1
