@@ -28,12 +28,13 @@ costs: one size N per round for the whole batch maximizes the batch's committed 
 ``sum_b (1 + sum_{i<=N} a_{b,i}) - R * s(N)`` (:func:`shared_size`), with a_{b,i} sequence b's calibrated path
 probabilities (its own :class:`AutoBudget` builds and calibrates them, as alone), s(N) the per-sequence share of the
 batch round (the batch size's cost curve) and R the sum of the sequences' long-run rates. Each sequence verifies the
-first N nodes of its tree and books the round in its policy's memory (the sequences of one call share one memory, so
-they learn together).
+first N nodes of its tree and books the round in its own policy's memory (``ddtree_generate`` forks the caller's memory
+per sequence, :meth:`RoundMemory.fork`, and takes every sequence's rounds back into it after the call).
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import time
@@ -92,6 +93,8 @@ class RoundMemory:
         self.depth_pred, self.depth_obs = np.zeros(_MAX_DEPTH + 1), np.zeros(_MAX_DEPTH + 1)
         self.depth_nodes = np.zeros(_MAX_DEPTH + 1, dtype=np.int64)
         self.curves: dict[CostModel, OnlineCost] = {}
+        self.appended = 0  # rounds ever stored (the window keeps the last ``window``)
+        self.forked_at = 0  # ``appended`` of the memory this one was forked from, at the fork
 
     def __len__(self) -> int:
         return len(self.rounds)
@@ -108,10 +111,25 @@ class RoundMemory:
         self.depth_nodes += sign * np.bincount(depths, minlength=_MAX_DEPTH + 1)
 
     def append(self, r: Round) -> None:
+        self.appended += 1
         self.rounds.append(r)
         self._add(r, +1)
         if len(self.rounds) > self.window:
             self._add(self.rounds.popleft(), -1)
+
+    def fork(self) -> "RoundMemory":
+        """A copy that goes on learning by itself (one sequence of a batch learns its own rounds: its calibration
+        and rate are its prompt's, not a mix of the batch's); :meth:`absorb` takes back what the forks learnt."""
+        fork = copy.deepcopy(self)
+        fork.forked_at = self.appended
+        return fork
+
+    def absorb(self, forks: Iterable["RoundMemory"]) -> None:
+        """Store the rounds each fork learnt since :meth:`fork` (fork by fork, each in its own order)."""
+        for fork in forks:
+            new = min(fork.appended - fork.forked_at, len(fork.rounds))
+            for r in list(fork.rounds)[len(fork.rounds) - new:]:
+                self.append(r)
 
     def online_cost(self, cost: CostModel) -> OnlineCost:
         """The online correction of the measured curve ``cost`` (a new one, equal to it, on first use)."""
@@ -284,13 +302,15 @@ class AutoBudget(BlockPolicy):
         """How many of the nodes (in the order of ``probs``, a valid tree order) to verify."""
         return best_prefix(probs, self.curve, self.rate, self._seconds)
 
-    def hold_proposal(self, log_p: np.ndarray, depths: np.ndarray, n: int, now: float | None, length: int) -> None:
+    def hold_proposal(self, log_p: np.ndarray, depths: np.ndarray, n: int, now: float | None, length: int,
+                      seconds: float | None = None) -> None:
         """Hold the round in flight until the target's verdict (:meth:`store_round`): ``n`` nodes verified, of which
-        the drafter's have these log-probs and depths, its modeled seconds, and the clock for the online curve."""
+        the drafter's have these log-probs and depths, its modeled seconds (default: the policy's curve at ``n``),
+        and the clock for the online curve."""
         self.chosen.append(n)
         self.built.append(self._building)
         self._building = 0
-        self._held = (log_p, depths, float(self._seconds[n]))
+        self._held = (log_p, depths, float(self._seconds[n] if seconds is None else seconds))
         if now is not None:
             self._timing = [now, n, length, None]
 
@@ -337,13 +357,28 @@ def shared_size(probs: list[np.ndarray], seconds: np.ndarray, rate: float | None
 
 class SharedBudget:
     """The batch proposer of ``budget="auto"``: one tree size per round for the whole batch (module docstring);
-    ``policies[b]``: sequence b's :class:`AutoBudget` (all on the same cost curve)."""
+    ``policies[b]``: sequence b's :class:`AutoBudget` (all on the batch's cost curve, per-sequence seconds).
 
-    def __init__(self, policies: list[AutoBudget]) -> None:
+    As sequences finish, the batch shrinks and each remaining sequence's share of a round grows. ``single``: the
+    batch-1 round seconds at 0..cap nodes; with them a round of k sequences is priced between the two measured
+    curves, ``T_k(N) = T_1(N) + (k - 1) / (B - 1) * (T_B(N) - T_1(N))`` (T the whole round's seconds, B the starting
+    batch), i.e. linear in the number of sequences verified; k = B gives the batch curve, k = 1 the single one.
+    Without ``single`` every round is priced at the starting batch size."""
+
+    def __init__(self, policies: list[AutoBudget], single: np.ndarray | None = None) -> None:
         if not policies or not all(isinstance(p, AutoBudget) for p in policies):
             raise TypeError("SharedBudget sizes the trees of AutoBudget policies (budget='auto'), one per sequence")
         self.policies = policies
+        self.single = None if single is None else np.asarray(single, dtype=float)
         self.chosen: list[int] = []  # the shared size of every round (for studies)
+
+    def seconds(self, k: int) -> np.ndarray:
+        """Per-sequence seconds of a round of ``k`` sequences at 0..cap nodes (class docstring)."""
+        batch, share = len(self.policies), self.policies[0]._seconds
+        if self.single is None or k == batch or batch == 1:
+            return share
+        whole = self.single[: len(share)] + (k - 1) / (batch - 1) * (batch * share - self.single[: len(share)])
+        return whole / k
 
     def propose(self, seqs: list[int], blocks: list[DraftBlock | None], histories: list[list[int]]) -> list:
         built = []
@@ -354,11 +389,13 @@ class SharedBudget:
             built.append((policy, tree, probs, now, len(history)))
         rates = [policy.rate for policy, *_ in built]
         rate = None if any(r is None for r in rates) else float(sum(rates))
-        n = shared_size([probs for _, _, probs, _, _ in built], built[0][0]._seconds, rate)
+        seconds = self.seconds(len(seqs))
+        n = shared_size([probs for _, _, probs, _, _ in built], seconds, rate)
         self.chosen.append(n)
         trees = []
         for policy, tree, _, now, length in built:
-            k = min(n, len(tree))
-            policy.hold_proposal(tree.log_probs.double().numpy()[:k], tree.depths.numpy()[:k], k, now, length)
+            k = min(n, len(tree))  # the round costs what its largest tree costs
+            policy.hold_proposal(tree.log_probs.double().numpy()[:k], tree.depths.numpy()[:k], k, now, length,
+                                 float(seconds[n]))
             trees.append(tree.prefix(k))
         return trees

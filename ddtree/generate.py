@@ -25,6 +25,7 @@ import numbers
 import time
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from dflash_core.decoding import GenerationResult, Request, decode, policies_for
@@ -71,16 +72,19 @@ class FixedBudget(BlockPolicy):
 
 
 def make_policy(budget, target=None, draft=None, tree: str = "topk", temperature: float = 0.0, seed: int = 0,
-                lookup: bool = False, **auto_options):
+                lookup: bool = False, batch: int = 1, **auto_options):
     """Turn ``ddtree_generate``'s ``budget``, ``tree`` and ``lookup`` arguments into the policy of one sequence.
 
     ``tree="sampled"`` needs an int budget; at ``temperature`` 0 it gives the top-K tree (nothing to sample). The
     sampled tree draws from the drafter at the decoding temperature with a generator seeded by ``seed``.
     ``lookup=True`` (an int budget or ``"auto"``, top-K trees) merges the context's continuation into each tree
     (:class:`~ddtree.lookup.LookupTreePolicy`, timing its rounds to skip the drafter where the continuation alone
-    pays more). ``auto_options`` go to :meth:`AutoBudget.for_models` for ``"auto"`` and ``"chain-auto"``, e.g.
-    ``context`` (the prompt length), ``memory`` (a :class:`~ddtree.budget.RoundMemory` that carries what ``auto``
-    learnt over to this call; default: start fresh), ``online=False`` (read no clock).
+    pays more; in a batch, ``batch`` > 1, every round drafts: one sequence's clock times the whole batch's round,
+    and only a round where every sequence skipped would save the pass). ``batch``: the number of sequences decoded
+    together (``auto`` prices rounds with that batch's curve). ``auto_options`` go to
+    :meth:`AutoBudget.for_models` for ``"auto"`` and ``"chain-auto"``, e.g. ``context`` (the prompt length),
+    ``memory`` (a :class:`~ddtree.budget.RoundMemory` that carries what ``auto`` learnt over to this call; default:
+    start fresh), ``online=False`` (read no clock).
     """
     budget = parse_budget(budget)
     if tree not in TREE_KINDS:
@@ -95,10 +99,11 @@ def make_policy(budget, target=None, draft=None, tree: str = "topk", temperature
             return SampledTreePolicy(budget, temperature, seed=seed)
     if budget == "chain":
         return Chain()
+    clock = time.perf_counter if batch == 1 else None  # lookup's skip clock (see above)
     if budget in ("auto", "chain-auto"):
-        policy = AutoBudget.for_models(target, draft, chain=budget == "chain-auto", **auto_options)
-        return LookupTreePolicy(policy, clock=time.perf_counter) if lookup else policy
-    return LookupTreePolicy(budget, clock=time.perf_counter) if lookup else FixedBudget(budget)
+        policy = AutoBudget.for_models(target, draft, chain=budget == "chain-auto", batch=batch, **auto_options)
+        return LookupTreePolicy(policy, clock=clock) if lookup else policy
+    return LookupTreePolicy(budget, clock=clock) if lookup else FixedBudget(budget)
 
 
 def _memory_bytes(device: torch.device) -> int:
@@ -110,13 +115,15 @@ def _memory_bytes(device: torch.device) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def check_verifiable(target, draft, budget: int, max_context: int) -> None:
-    """Raise ValueError when a tree of ``budget`` nodes cannot be verified in one target forward on this machine.
+def check_verifiable(target, draft, budget: int, max_context: int, batch: int = 1) -> None:
+    """Raise ValueError when ``batch`` trees of ``budget`` nodes cannot be verified in one target forward on this
+    machine.
 
     The tree has at most min(budget, V + V^2 + ... + V^(b-1)) nodes (V: the drafter's vocabulary); its verify forward
     attends from every node to up to ``max_context`` + nodes positions, which costs about 4 bytes per head and
-    position pair where the kernel materialises the scores, plus the mask. Above a quarter of the memory at hand
-    that forward would exhaust it; the error names the largest budget that fits (the DDTree paper sweeps 16-1024).
+    position pair where the kernel materialises the scores, plus the mask, for each of the ``batch`` sequences
+    verified together. Above a quarter of the memory at hand that forward would exhaust it; the error names the
+    largest budget that fits (the DDTree paper sweeps 16-1024; a smaller batch fits a larger one).
     """
     budget = parse_budget(budget)
     if isinstance(budget, str):
@@ -133,15 +140,24 @@ def check_verifiable(target, draft, budget: int, max_context: int) -> None:
     heads = int(getattr(target.config, "num_attention_heads", 32))
     per_pair = 4 * heads + 5  # fp32 scores per head, the additive mask and the boolean visibility
     allowed = _memory_bytes(target.lm_head.weight.device) // 4
+    per_pair *= batch  # one forward verifies every sequence's tree
     need = (nodes + 1) * (max_context + nodes + 1) * per_pair
     if need > allowed:
         # largest n with (n + 1) * (max_context + n + 1) * per_pair <= allowed
         c = max_context + 1
         largest = int((-(c + 1) + math.sqrt((c + 1) ** 2 - 4 * (c - allowed / per_pair))) / 2)
-        raise ValueError(f"budget={budget}: a tree of {nodes} nodes cannot be verified in one target forward here "
+        trees = f"a tree of {nodes} nodes" if batch == 1 else f"{batch} trees of {nodes} nodes"
+        raise ValueError(f"budget={budget}: {trees} cannot be verified in one target forward here "
                          f"(about {need / 2**30:.1f} GiB of attention, more than a quarter of the "
                          f"{4 * allowed / 2**30:.0f} GiB at hand); use a budget of at most {max(0, largest)} "
-                         "(the DDTree paper sweeps 16-1024)")
+                         + ("" if batch == 1 else "or a smaller batch ") + "(the DDTree paper sweeps 16-1024)")
+
+
+def _single_seconds(target, draft, policy: AutoBudget, context: int) -> np.ndarray:
+    """One sequence's round seconds at 0..``policy.cap`` nodes (the batch-1 curve at this context, cached on disk
+    like the batch's): what :class:`SharedBudget` prices rounds with once the batch has shrunk."""
+    single = AutoBudget.for_models(target, draft, context=context, chain=policy.chain, online=False)
+    return np.asarray(single.cost.round_seconds(np.arange(policy.cap + 1)), dtype=float)
 
 
 def ddtree_generate(
@@ -187,7 +203,8 @@ def ddtree_generate(
     ``memory`` (``"auto"`` / ``"chain-auto"``): what ``auto`` learnt from earlier rounds (the drafter's calibration
     against what the target accepted, online corrections of the cost curve), a :class:`~ddtree.budget.RoundMemory`
     the caller holds and passes to later calls to carry it over; None starts fresh from the cost curve cached on
-    disk, the same every time. The sequences of one call share it.
+    disk, the same every time. In a batch each sequence learns in its own fork of it (its calibration and rate are
+    its own prompt's) and the memory takes every sequence's rounds back after the call.
     """
     request = Request.check(input_ids, max_new_tokens, temperature, stop_token_ids, seed, attention_mask)
     count = len(request.prompts)
@@ -198,18 +215,23 @@ def ddtree_generate(
         policies = policies_for(policy, count)
     else:
         budget = parse_budget(32 if budget is None else budget)
-        check_verifiable(target, draft, budget, request.longest + max_new_tokens)
-        auto = {}  # ``auto``: every sequence prices rounds with the batch's curve at the longest prompt, one memory
+        check_verifiable(target, draft, budget, request.longest + max_new_tokens, count)
+        auto = [{}] * count  # ``auto``: the batch's curve at the longest prompt, a fork of the memory per sequence
         if budget in ("auto", "chain-auto"):
             memory = RoundMemory() if memory is None else memory  # (an empty memory is falsy: test for None)
-            auto = {"context": request.longest, "batch": count, "memory": memory}
+            forks = [memory] if count == 1 else [memory.fork() for _ in range(count)]
+            auto = [{"context": request.longest, "memory": fork} for fork in forks]
         elif memory is not None:
             raise ValueError(f"memory= is what budget='auto' learns; budget={budget!r} keeps none")
         policies = [make_policy(budget, target, draft, tree=tree, temperature=temperature, seed=seed + b,
-                                lookup=lookup, **auto) for b in range(count)]
-    shared = count > 1 and all(isinstance(p, AutoBudget) for p in policies)
-    results = decode(target, draft, request, policies, block_size, trace, check_trees,
-                     SharedBudget(policies) if shared else None)
+                                lookup=lookup, batch=count, **auto[b]) for b in range(count)]
+    proposer = None
+    if count > 1 and all(isinstance(p, AutoBudget) for p in policies):
+        proposer = SharedBudget(policies, None if policy is not None else
+                                _single_seconds(target, draft, policies[0], request.longest))
+    results = decode(target, draft, request, policies, block_size, trace, check_trees, proposer)
+    if memory is not None and count > 1:
+        memory.absorb(fork for fork in (a.get("memory") for a in auto) if fork is not None)
     for r, pol in zip(results, policies):
         if getattr(pol, "calibration_s", 0.0):  # ``auto`` measured its cost curve inside this call
             r.timings["calibration"] = pol.calibration_s

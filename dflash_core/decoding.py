@@ -343,17 +343,20 @@ class LiveModels:
 
     Rows of the shared target cache follow ``self.seqs`` (the active sequences, in order); ``lengths[r]`` counts the
     committed tokens of row r. Per sequence: ``unread`` (target features of committed positions its drafter has not
-    read yet) and its own :class:`DraftCache`.
+    read yet, in chunks of ``[m, taps * hidden]``, joined once when the drafter reads them) and its own
+    :class:`DraftCache`. ``readers[b]``: whether sequence b's policy ever drafts (default: all); a sequence that
+    never drafts keeps no features.
     """
 
     def __init__(self, adapter: TargetAdapter, draft: DFlashDraftModel | None, cache, lengths: list[int],
                  unread: list[torch.Tensor | None], block_size: int | None = None, with_features: bool = True,
-                 masks: bool = True) -> None:
+                 masks: bool = True, readers: list[bool] | None = None) -> None:
         self.adapter, self.drafter, self.cache, self.block_size = adapter, draft, cache, block_size
         self.with_features, self.masks = with_features, masks  # masks: the backend applies 4D attention masks
         self.seqs = list(range(len(lengths)))
         self.lengths = list(lengths)
-        self.unread = dict(enumerate(unread))
+        self.readers = dict(enumerate(readers if readers is not None else [True] * len(lengths)))
+        self.unread = {b: [f] if f is not None and self.readers[b] else [] for b, f in enumerate(unread)}
         self.draft_caches = {b: DraftCache() for b in self.seqs}
         self.width = max(lengths)  # slots per row in the shared cache
         self._features: torch.Tensor | None = None  # the last verify's features, until its commit
@@ -364,25 +367,23 @@ class LiveModels:
     @classmethod
     @torch.inference_mode()
     def prefilled(cls, adapter: TargetAdapter, draft: DFlashDraftModel | None, prompts: list[torch.Tensor],
-                  with_features: bool = True, block_size: int | None = None, masks: bool = True
-                  ) -> tuple[LiveModels, torch.Tensor]:
-        """The prefill: ragged prompts ([1, T_b] each) enter one new target cache, right-padded, in one forward.
-        Returns (the models holding them, the logits after each prompt [B, V])."""
+                  with_features: bool = True, block_size: int | None = None, masks: bool = True,
+                  readers: list[bool] | None = None) -> tuple[LiveModels, torch.Tensor]:
+        """The prefill: ragged prompts ([1, T_b] each) enter one new target cache, right-padded, in one forward
+        under the model's own causal mask (no mask is built): right padding comes after a prompt's tokens, so the
+        causal order shows each prompt token exactly its prompt's tokens before it; a padding slot sees its row's
+        earlier slots, but its logits are never read and every later mask hides it. Returns (the models holding the
+        prompts, the logits after each prompt [B, V])."""
         lengths = [int(p.shape[1]) for p in prompts]
         width = max(lengths)
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
         for b, p in enumerate(prompts):
             ids[b, : lengths[b]] = p[0].cpu()
-        visible = None  # equal lengths: the causal order is exact
-        if min(lengths) != width:  # a prompt token sees its prompt's tokens before it; a padding row sees only itself
-            length = torch.tensor(lengths)
-            q, k = torch.arange(width)[:, None], torch.arange(width)[None, :]
-            visible = (k <= q)[None] & ((k[None] < length[:, None, None]) | (k == q)[None])
         rows = torch.tensor([b * width + n - 1 for b, n in enumerate(lengths)])
         cache = adapter.new_cache()
-        out = adapter.forward(ids, torch.arange(width).expand(len(prompts), -1), cache, visible, rows, with_features)
+        out = adapter.forward(ids, torch.arange(width).expand(len(prompts), -1), cache, None, rows, with_features)
         features = [None if out.features is None else out.features[b, :n] for b, n in enumerate(lengths)]
-        return cls(adapter, draft, cache, lengths, features, block_size, with_features, masks), out.logits
+        return cls(adapter, draft, cache, lengths, features, block_size, with_features, masks, readers), out.logits
 
     def rewind(self, lengths: list[int]) -> None:
         """Every sequence back to its first ``lengths[r]`` committed tokens (measurements repeat one round)."""
@@ -402,7 +403,8 @@ class LiveModels:
         param = next(draft.parameters())  # the drafter may sit on another GPU than the target's head
         b = self.block_size or draft.block_size
         starts = [self.lengths[self.seqs.index(s)] for s in seqs]
-        news = [self.unread[s] for s in seqs]  # [m_j, taps * hidden] each
+        news = [torch.cat(self.unread[s]) if len(self.unread[s]) > 1 else self.unread[s][0]
+                for s in seqs]  # [m_j, taps * hidden] each
         olds = [self.draft_caches[s].length for s in seqs]
         if len(seqs) == 1:  # nothing to pad: the sequence's own cache, no mask
             cache, visible = self.draft_caches[seqs[0]], None
@@ -424,7 +426,7 @@ class LiveModels:
                 own.keys = [k[j: j + 1].index_select(2, index) for k in cache.keys]
                 own.values = [v[j: j + 1].index_select(2, index) for v in cache.values]
         for s in seqs:
-            self.unread[s] = None
+            self.unread[s] = []
         return hidden
 
     def _stacked_inputs(self, seqs, news, olds, starts, b):
@@ -440,10 +442,11 @@ class LiveModels:
             visible[j, :, :, old:width_old] = False  # another sequence's longer past
             visible[j, :, :, width_old + len(new): width_old + width_new] = False  # padding of the new context
         cache = DraftCache()
-        if width_old:
+        if width_old:  # a sequence drafting for the first time has no cache yet: its rows stay padding
+            caches = [self.draft_caches[s] for s in seqs]
             for layer in range(len(self.drafter.layers)):
-                cache.keys.append(_stack([self.draft_caches[s].keys[layer] for s in seqs], width_old))
-                cache.values.append(_stack([self.draft_caches[s].values[layer] for s in seqs], width_old))
+                cache.keys.append(_stack([c.keys[layer] if c.length else None for c in caches], width_old))
+                cache.values.append(_stack([c.values[layer] if c.length else None for c in caches], width_old))
         return cache, context, context_pos, visible
 
     # ------------------------------------------------------------------ verify
@@ -452,7 +455,7 @@ class LiveModels:
             raise RuntimeError(f"the batch verifies every active sequence together: got {seqs}, active {self.seqs}")
         flat = [tree_inputs(t, root, start) for t, root, start in zip(trees, roots, self.lengths)]
         sizes = [len(ids) for ids, _, _ in flat]
-        n, width, batch = max(sizes), self.width, len(seqs)
+        n, batch = max(sizes), len(seqs)
         ids = torch.zeros(batch, n, dtype=torch.long)
         positions = torch.zeros(batch, n, dtype=torch.long)
         for b, ((tokens, pos, _), size, start) in enumerate(zip(flat, sizes, self.lengths)):
@@ -462,32 +465,38 @@ class LiveModels:
             if not self.masks:
                 raise RuntimeError("a tree or a batch needs a 4D attention mask, which this target's attention "
                                    "backend ignores (check_mask_backend should have refused the call)")
-            visible = torch.zeros(batch, n, width + n, dtype=torch.bool)
-            for b, ((_, _, tree), size, start) in enumerate(zip(flat, sizes, self.lengths)):
-                visible[b, :, :start] = True  # the sequence's own committed tokens; never the slots past them
-                visible[b, :size, width: width + size] = torch.ones(size, size, dtype=torch.bool).tril() \
-                    if tree is None else tree
-                visible[b, torch.arange(size, n), width + torch.arange(size, n)] = True  # a padding row sees itself
+            visible = self._verify_mask([tree for _, _, tree in flat], sizes, n)
         rows = torch.cat([b * n + torch.arange(size) for b, size in enumerate(sizes)])
         out = self.adapter.forward(ids, positions, self.cache, visible, rows, self.with_features)
         self._features = out.features
         return list(out.logits.split(sizes))
+
+    def _verify_mask(self, trees: list[torch.Tensor | None], sizes: list[int], n: int) -> torch.Tensor:
+        """[B, n, width + n] on the target's device: row b sees its sequence's committed slots ``[0, L_b)`` (never
+        the leftovers past them), then its own tree's ancestor-or-self mask (causal for a chain); a padding row sees
+        only itself. Only the tree part ([B, n, n]) is filled on the host; the committed part is one comparison on
+        the device."""
+        device = self.adapter.device
+        lengths = torch.tensor(self.lengths, device=device)
+        committed = torch.arange(self.width, device=device)[None, None, :] < lengths[:, None, None]
+        own = torch.eye(n, dtype=torch.bool).repeat(len(sizes), 1, 1)  # padding rows: themselves
+        for b, (tree, size) in enumerate(zip(trees, sizes)):
+            own[b, :size, :size] = torch.ones(size, size, dtype=torch.bool).tril() if tree is None else tree
+        return torch.cat([committed.expand(len(sizes), n, self.width), own.to(device)], dim=-1)
 
     # ------------------------------------------------------------------ commit
     def commit(self, seqs: list[int], paths: list[list[int]], committed: list[list[int]], drafted: list[bool]
                ) -> None:
         width = self.width
         sources, dests, lengths = [], [], []
-        for b, (s, path, was_drafted) in enumerate(zip(seqs, paths, drafted)):
+        for b, (s, path) in enumerate(zip(seqs, paths)):
             start = self.lengths[b]
             keep = [0] + [i + 1 for i in path]  # the root and the accepted nodes, as rows of this round's tree
             sources.append([width + k for k in keep])  # where this round put them
             dests.append(list(range(start, start + len(keep))))  # right after the sequence's committed tokens
             lengths.append(start + len(keep))
-            if self._features is not None:
-                kept = self._features[b, torch.tensor(keep, device=self._features.device)]
-                unread = None if was_drafted else self.unread[s]  # a round without the drafter read nothing
-                self.unread[s] = kept if unread is None else torch.cat([unread, kept])
+            if self._features is not None and self.readers[s]:  # joined when the drafter next reads them
+                self.unread[s].append(self._features[b, torch.tensor(keep, device=self._features.device)])
         most = max(len(row) for row in sources)  # shorter rows repeat their last pair (it rewrites the same entry)
         sources, dests = ([row + [row[-1]] * (most - len(row)) for row in rows] for rows in (sources, dests))
         self.adapter.move_slots(self.cache, torch.tensor(sources), torch.tensor(dests), max(lengths))
@@ -506,11 +515,14 @@ class LiveModels:
             self.adapter.crop(self.cache, self.width)
 
 
-def _stack(parts: list[torch.Tensor], width: int) -> torch.Tensor:
-    """[1, h, len_j, d] per sequence -> [n, h, width, d], right-padded with zeros (masked by the caller)."""
-    out = parts[0].new_zeros(len(parts), parts[0].shape[1], width, parts[0].shape[-1])
+def _stack(parts: list[torch.Tensor | None], width: int) -> torch.Tensor:
+    """[1, h, len_j, d] per sequence (None: nothing yet) -> [n, h, width, d], right-padded with zeros (masked by the
+    caller)."""
+    like = next(part for part in parts if part is not None)
+    out = like.new_zeros(len(parts), like.shape[1], width, like.shape[-1])
     for j, part in enumerate(parts):
-        out[j, :, : part.shape[2]] = part[0]
+        if part is not None:
+            out[j, :, : part.shape[2]] = part[0]
     return out
 
 
@@ -584,7 +596,8 @@ def decode(target, draft: DFlashDraftModel | None, request: Request, policies: l
     if request.max_new_tokens > 0:
         timer = StageTimer(device)
         with timer.stage("prefill"):  # the prompts enter the target cache; their features are the drafter's context
-            models, logits = LiveModels.prefilled(adapter, draft, request.prompts, uses_draft, block_size, masks)
+            models, logits = LiveModels.prefilled(adapter, draft, request.prompts, uses_draft, block_size, masks,
+                                                  [p.uses_draft for p in policies])
         histories = []
         for b, (prompt, result) in enumerate(zip(request.prompts, results)):
             root = follow(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), logits[b: b + 1],

@@ -308,19 +308,19 @@ def draft_cost(target, draft, config: CheckConfig, device: torch.device) -> dict
     vocab, ctx, b = adapter.vocab_size, config.context, draft.block_size
     gen = torch.Generator().manual_seed(4)
     models, _ = LiveModels.prefilled(adapter, draft, [torch.randint(0, vocab, (1, ctx + 4), generator=gen)])
-    features = models.unread[0]  # [ctx + 4, taps * hidden]
+    features = models.unread[0][0]  # [ctx + 4, taps * hidden]
     root = int(torch.randint(0, vocab, (1,), generator=gen))
 
     def first_pass():  # the whole prompt's context enters the draft cache
         models.draft_caches[0].crop(0)
-        models.unread[0], models.lengths = features[:ctx], [ctx]
+        models.unread[0], models.lengths = [features[:ctx]], [ctx]
         models.draft_states([0], [root])
 
     prefill_ms = median_ms(first_pass, device, config)
     first_pass()
 
     def steady_pass():  # a typical round (the loop's draft step): a few newly committed tokens join the context
-        models.unread[0], models.lengths = features[ctx:], [ctx + 4]
+        models.unread[0], models.lengths = [features[ctx:]], [ctx + 4]
         out = models.draft_states([0], [root])[0]
         models.draft_caches[0].crop(ctx)
         return out

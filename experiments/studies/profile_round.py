@@ -65,12 +65,12 @@ def draft_split_ms(target, draft, context: int = 200, repeats: int = 7) -> dict:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, adapter.vocab_size, (1, context + 4), generator=g)
     models, _ = LiveModels.prefilled(adapter, draft, [ids])
-    feats = models.unread[0]  # [context + 4, taps * hidden]
-    models.unread[0], models.lengths = feats[:context], [context]
+    feats = models.unread[0][0]  # [context + 4, taps * hidden]
+    models.unread[0], models.lengths = [feats[:context]], [context]
     models.draft_states([0], [0])  # the context enters the draft cache
 
     def layers():  # the loop's draft step without the head: 4 newly committed tokens join the context
-        models.unread[0], models.lengths = feats[context:], [context + 4]
+        models.unread[0], models.lengths = [feats[context:]], [context + 4]
         out = models.draft_states([0], [int(ids[0, -1])])[0]
         models.draft_caches[0].crop(context)
         return out
