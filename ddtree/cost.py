@@ -196,7 +196,7 @@ def cost_key(target, draft, device: torch.device, dtype: torch.dtype, chain: boo
         "draft": [draft.config.num_hidden_layers, draft.config.block_size,
                   draft.config.draft_vocab_size] if draft is not None else None,
         "kernels": active_kernels(target), "proposal": "chain" if chain else "tree",
-        "measured": "live-models-1",  # how: curves measured by an older rule are measured again
+        "measured": "live-models-2",  # how: curves measured by an older rule are measured again
     })
 
 
@@ -290,18 +290,18 @@ def _round_seconds(adapter: TargetAdapter, draft, grid: tuple[int, ...], context
     vocab, new = adapter.vocab_size, min(4, context - 1)
     prompts = [torch.randint(0, vocab, (1, context), generator=gen) for _ in range(batch)]
     models, _ = decoding.LiveModels.prefilled(adapter, draft, prompts, draft is not None)
-    features = [models.unread[s] for s in range(batch)]
+    features = [models.unread[s][0] if models.unread[s] else None for s in range(batch)]
     seqs, roots = list(range(batch)), [int(t) for t in torch.randint(0, vocab, (batch,), generator=gen)]
 
     def rewind():  # every sequence back to its context, the drafter holding all but the last ``new`` tokens
         models.rewind([context] * batch)
         for s in seqs:
-            models.unread[s] = None if features[s] is None else features[s][context - new:]
+            models.unread[s] = [] if features[s] is None else [features[s][context - new:]]
             models.draft_caches[s].crop(context - new)
 
     if draft is not None:
         for s in seqs:
-            models.unread[s] = features[s][: context - new]
+            models.unread[s] = [features[s][: context - new]]
         models.lengths = [context - new] * batch  # the drafter's cache first takes the context before the round
         models.draft(seqs, roots)
         rewind()

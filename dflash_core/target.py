@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers.cache_utils import DynamicLayer
 
 __all__ = ["TargetAdapter", "TargetOutput", "TappedOutput", "tapped_forward", "IncompatibleModelError",
            "SUPPORTED_MODEL_TYPES", "TREE_MASK_BACKENDS", "check_compatibility", "check_mask_backend"]
@@ -67,6 +68,47 @@ def tapped_forward(model: nn.Module, input_ids: torch.Tensor, layer_ids: Sequenc
     if head:
         return TappedOutput(features, out.logits, None)
     return TappedOutput(features, None, out.last_hidden_state)
+
+
+class SlotLayer(DynamicLayer):
+    """A KV-cache layer written in place: keys and values live in a buffer ``[B, kv_heads, capacity, head_dim]``
+    that grows geometrically (by half its size, at least 256 slots), and ``keys`` / ``values`` are views of its first ``length`` slots. transformers'
+    ``DynamicLayer`` concatenates the whole cache at every forward (O(context) copies per step); here a forward writes
+    only its new slots, and cropping or moving slots touches only those slots."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._keys = self._values = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+        end = start + key_states.shape[-2]
+        if self._keys is None or end > self._keys.shape[-2] or self._keys.shape[0] != key_states.shape[0]:
+            self._grow(key_states, value_states, start, end + max(256, end // 2))
+        self._keys[:, :, start:end] = key_states
+        self._values[:, :, start:end] = value_states
+        self.keep(end)
+        return self.keys, self.values
+
+    def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, length: int, capacity: int) -> None:
+        keys = key_states.new_empty(key_states.shape[:2] + (capacity, key_states.shape[-1]))
+        values = value_states.new_empty(value_states.shape[:2] + (capacity, value_states.shape[-1]))
+        if length:
+            keys[:, :, :length], values[:, :, :length] = self.keys, self.values
+        self._keys, self._values = keys, values
+
+    def keep(self, length: int) -> None:
+        """The first ``length`` slots are the cache (no copy)."""
+        self.keys, self.values = self._keys[:, :, :length], self._values[:, :, :length]
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep the sequences ``rows`` of the batch (one copy of what they hold)."""
+        length = self.keys.shape[-2]
+        self._keys, self._values = self._keys.index_select(0, rows), self._values.index_select(0, rows)
+        self.keep(length)
 
 
 class TargetAdapter:
@@ -161,9 +203,12 @@ class TargetAdapter:
 
     # ------------------------------------------------------------------ cache
     def new_cache(self):
+        """An empty cache whose layers are written in place (:class:`SlotLayer`)."""
         from transformers import DynamicCache
 
-        return DynamicCache()
+        cache = DynamicCache()
+        cache.layer_class_to_replicate = SlotLayer  # each layer is created on its first update
+        return cache
 
     @staticmethod
     def _layers(cache):
@@ -177,7 +222,9 @@ class TargetAdapter:
     def crop(self, cache, length: int) -> None:
         """Keep the first ``length`` positions of every layer."""
         for layer in self._layers(cache):
-            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            if isinstance(layer, SlotLayer) and getattr(layer, "_keys", None) is not None:
+                layer.keep(min(length, layer.keys.shape[-2]))
+            elif getattr(layer, "keys", None) is not None and layer.keys.numel():
                 layer.keys = layer.keys[..., :length, :]
                 layer.values = layer.values[..., :length, :]
 
@@ -224,13 +271,18 @@ class TargetAdapter:
             b, src, dst = rows.to(device), source.to(device), dest.to(device)
             keys, values = layer.keys[b, :, src], layer.values[b, :, src]
             layer.keys[b, :, dst], layer.values[b, :, dst] = keys, values
-            layer.keys, layer.values = layer.keys[:, :, :width], layer.values[:, :, :width]
+            if isinstance(layer, SlotLayer):
+                layer.keep(width)
+            else:
+                layer.keys, layer.values = layer.keys[:, :, :width], layer.values[:, :, :width]
 
     @torch.inference_mode()
     def select_sequences(self, cache, batch_rows: torch.Tensor) -> None:
         """Keep only the sequences ``batch_rows`` of a batch cache (finished sequences leave the batch)."""
         for layer in self._layers(cache):
-            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            if isinstance(layer, SlotLayer) and getattr(layer, "_keys", None) is not None:
+                layer.select(batch_rows.to(layer.keys.device))
+            elif getattr(layer, "keys", None) is not None and layer.keys.numel():
                 index = batch_rows.to(layer.keys.device)
                 layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
 
