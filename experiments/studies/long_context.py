@@ -1,0 +1,107 @@
+"""Cost against context length: ``python -m experiments.studies.long_context``.
+
+For each context length: plain decoding's step (milliseconds per token after the prefill), the prefill rate (prompt
+tokens per second) and, unless ``--methods`` leaves them out, DDTree at the given budgets (tokens per second over
+plain decoding's, tau, and whether the output equals plain decoding's). Methods run one after another on the same
+prompt. The prompt is the end of this repository's docs (README, docs/*.md) cut to the context length, as one user
+message with a summary request (``--text random``: random token ids, plain decoding only makes sense then). The
+embedded pair by default (``--pair tiny``: a random tiny pair, for smoke runs).
+
+Each finished context is one JSON line in ``--out``; the file is rewritten atomically after each, and a rerun skips
+the contexts it already holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from ddtree import ddtree_generate
+from dflash_core import autoregressive_generate
+from dflash_core.timing import cpu_model
+from experiments.bench.schema import write_text_atomic
+
+REPO = Path(__file__).resolve().parents[2]
+DOCS = ("README.md", "docs/results.md", "docs/architecture.md")
+
+
+def docs_prompt(tokenizer, context: int) -> torch.Tensor:
+    """[1, T] chat prompt: the last ``context`` tokens of the repository's docs and a request to summarize them."""
+    text = "\n\n".join((REPO / name).read_text(encoding="utf-8") for name in DOCS if (REPO / name).is_file())
+    body = tokenizer(text, add_special_tokens=False).input_ids
+    if len(body) < context:
+        raise ValueError(f"the docs hold {len(body)} tokens, fewer than the asked context {context}")
+    message = tokenizer.decode(body[-context:]) + "\n\nSummarize the text above in a few sentences."
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True,
+                                        return_tensors="pt")
+    return ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
+
+
+def measure(target, draft, ids: torch.Tensor, budgets: list, max_new_tokens: int) -> dict:
+    """One context: plain decoding's step and prefill rate, then each DDTree budget against it."""
+    plain = autoregressive_generate(target, ids, max_new_tokens=max_new_tokens)
+    decode = plain.timings["decode"]
+    record = {"context": int(ids.shape[1]), "plain_step_ms": 1e3 * decode / max(1, len(plain.acceptance_lengths)),
+              "prefill_tok_s": ids.shape[1] / plain.timings["prefill"],
+              "plain_tok_s": len(plain.new_token_ids) / decode}
+    for budget in budgets:
+        r = ddtree_generate(target, draft, ids, budget=budget, max_new_tokens=max_new_tokens)
+        tok_s = len(r.new_token_ids) / r.timings["decode"]
+        record[f"ddtree_{budget}"] = {"tok_s": tok_s, "speedup": tok_s / record["plain_tok_s"], "tau": r.tau,
+                                      "same_as_plain": r.new_token_ids == plain.new_token_ids}
+    return record
+
+
+def run(target, draft, prompt_for, contexts: list[int], budgets: list, max_new_tokens: int, out: Path,
+        machine: dict) -> list[dict]:
+    """Measure every context not yet in ``out`` (``prompt_for(context) -> [1, T]``), rewriting it after each."""
+    done = [json.loads(line) for line in out.read_text().splitlines() if line.strip()] if out.is_file() else []
+    have = {r["asked_context"] for r in done}
+    autoregressive_generate(target, prompt_for(min(contexts))[:, :32], max_new_tokens=4)  # warm-up
+    for context in contexts:
+        if context in have:
+            continue
+        record = {"asked_context": context, **measure(target, draft, prompt_for(context), budgets, max_new_tokens),
+                  **machine}
+        print(json.dumps(record), flush=True)
+        done.append(record)
+        write_text_atomic(out, "".join(json.dumps(r) + "\n" for r in done))
+    return done
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m experiments.studies.long_context", description=__doc__.split("\n\n")[0])
+    p.add_argument("--pair", choices=["default", "tiny"], default="default")
+    p.add_argument("--contexts", default="100,1000,3000,6000")
+    p.add_argument("--methods", default="16,auto", help="DDTree budgets (ints, auto), comma-separated; '' for none")
+    p.add_argument("--text", choices=["docs", "random"], default="docs")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--out", default="runs/long_context.jsonl")
+    a = p.parse_args(argv)
+    contexts = [int(x) for x in a.contexts.split(",") if x.strip()]
+    budgets = [m if m == "auto" else int(m) for m in a.methods.split(",") if m.strip()]
+    if a.pair == "tiny":
+        from experiments.bench.models import random_draft, tiny_target
+
+        target = tiny_target()
+        draft, tokenizer = random_draft(target, layers=1, taps=2, block_size=8), None
+    else:
+        from dflash_core import load_default_pair
+
+        target, draft, tokenizer = load_default_pair()
+    if tokenizer is None and a.text == "docs":
+        p.error("--pair tiny has no tokenizer: use --text random")
+    g = torch.Generator().manual_seed(0)
+    vocab = target.config.vocab_size
+    prompt_for = (lambda n: docs_prompt(tokenizer, n)) if a.text == "docs" else \
+        (lambda n: torch.randint(0, vocab, (1, n), generator=g))
+    machine = {"cpu": cpu_model(), "dtype": str(next(target.parameters()).dtype), "text": a.text,
+               "max_new_tokens": a.max_new_tokens}
+    run(target, draft, prompt_for, contexts, budgets, a.max_new_tokens, Path(a.out), machine)
+
+
+if __name__ == "__main__":
+    main()
