@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from conftest import make_draft, make_target, prompt
+from test_markov import _tiny_scorer
 from ddtree.baselines import (
     EAGLE2_DEPTH, EAGLE2_TOP_K, EAGLE2_TOTAL_TOKENS, EagleTwoTree, MedusaTree, RecordRounds, SequoiaTree,
     StaticRankTree, eagle2_tree, expected_accepted_tokens, fit_rank_acceptance, medusa_rank_paths, rank_path_tree,
@@ -24,7 +25,7 @@ from ddtree.baselines import (
 from ddtree.build import best_tree
 from ddtree.generate import FixedBudget
 from dflash_core import BlockPolicy, speculative_generate
-from dflash_core.model import MarkovHead, MarkovScorer, attach_markov_head
+from dflash_core.model import attach_markov_head
 from dflash_core.replay import replay
 from dflash_core.tree import DraftBlock, DraftTree
 from greedy_reference import greedy_reference
@@ -40,17 +41,8 @@ def _plain_block(seed: int, depth: int = 3, vocab: int = 4, scale: float = 2.0, 
 
 def _markov_block(seed: int, kind: str = "gated", root: int = 2) -> DraftBlock:
     """A real Markov head over a 5-token draft vocabulary of an 8-token target (root 2: outside it, the OOV row)."""
-    g = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    head = MarkovHead(5, 6, 3, kind)
-    with torch.no_grad():
-        head.out.weight.normal_(0, 2.0)
-    d2t = torch.tensor([6, 1, 4, 0, 3])
-    t2d = np.full(8, 5, dtype=np.int64)
-    t2d[d2t.numpy()] = np.arange(5)
-    base, states = torch.randn(3, 5, generator=g) * 2, torch.randn(3, 6, generator=g)
-    scorer = MarkovScorer(head, base, states, lambda ids: t2d[ids])
-    return DraftBlock(logits=base, token_map=d2t, root=root, vocab_size=8, states=states, scorer=scorer)
+    scorer, base, d2t, _ = _tiny_scorer(seed, kind)
+    return DraftBlock(logits=base, token_map=d2t, root=root, vocab_size=8, scorer=scorer)
 
 
 def _child_rows(block: DraftBlock, depth: int, parent: int) -> list[tuple[int, float]]:
