@@ -312,7 +312,7 @@ def _round_seconds(adapter: TargetAdapter, draft, grid: tuple[int, ...], context
         def run(tree=tree, accepted=accepted):  # the loop's verify, walks and commit, then back
             for rows in models.verify(seqs, [tree] * batch, roots):
                 decoding.verify_walk(tree, rows, 0.0, None)
-            models.commit(seqs, [accepted] * batch, [[0]] * batch, [True] * batch)
+            models.commit(seqs, [accepted] * batch, [[0]] * batch)
             rewind()
 
         runs.append(run)

@@ -320,10 +320,9 @@ class ModelSide(Protocol):
     def verify(self, seqs: list[int], trees: list[DraftTree], roots: list[int]) -> list[torch.Tensor]:
         """One target forward verifying every active sequence's tree: per sequence [n+1, V] logits."""
 
-    def commit(self, seqs: list[int], paths: list[list[int]], committed: list[list[int]], drafted: list[bool]
-               ) -> None:
+    def commit(self, seqs: list[int], paths: list[list[int]], committed: list[list[int]]) -> None:
         """Each sequence keeps its root and accepted nodes ``paths`` and committed ``committed`` (the accepted
-        tokens and the bonus, cut at a stop token or the length limit); ``drafted``: whether it drafted this round."""
+        tokens and the bonus, cut at a stop token or the length limit)."""
 
     def finish(self, seqs: list[int]) -> None:
         """These sequences are done and leave the batch."""
@@ -485,8 +484,7 @@ class LiveModels:
         return torch.cat([committed.expand(len(sizes), n, self.width), own.to(device)], dim=-1)
 
     # ------------------------------------------------------------------ commit
-    def commit(self, seqs: list[int], paths: list[list[int]], committed: list[list[int]], drafted: list[bool]
-               ) -> None:
+    def commit(self, seqs: list[int], paths: list[list[int]], committed: list[list[int]]) -> None:
         width = self.width
         sources, dests, lengths = [], [], []
         for b, (s, path) in enumerate(zip(seqs, paths)):
@@ -564,7 +562,7 @@ def run_rounds(decoders: Sequence[SequenceDecoder], models: ModelSide, histories
             logits = models.verify(active, trees, roots)
         with timer.stage("commit"):
             walks = [decoders[i].walk(t, rows, results[i]) for i, t, rows in zip(active, trees, logits)]
-            models.commit(active, [w[0] for w in walks], [w[1] for w in walks], [i in blocks for i in active])
+            models.commit(active, [w[0] for w in walks], [w[1] for w in walks])
             for i, tree, (_, committed, _) in zip(active, trees, walks):
                 results[i].add_round(committed, tree)
                 histories[i] += committed

@@ -114,7 +114,7 @@ class TeacherForcedModels:
         logits[torch.arange(len(depths)), choice] = 1.0
         return [logits]
 
-    def commit(self, seqs: list[int], paths: list[list[int]], committed: list[list[int]], drafted: list[bool]) -> None:
+    def commit(self, seqs: list[int], paths: list[list[int]], committed: list[list[int]]) -> None:
         tokens = committed[0]
         if self.anchor + len(tokens) >= self.ids.shape[0]:
             raise ValueError(_SHORT)

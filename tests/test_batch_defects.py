@@ -67,8 +67,8 @@ def test_features_are_kept_only_for_a_drafter_that_will_read_them(pair, monkeypa
     kept: list[list[int]] = []  # per commit: rows of unread features per sequence
     commit = LiveModels.commit
 
-    def spy(self, seqs, paths, committed, drafted):
-        commit(self, seqs, paths, committed, drafted)
+    def spy(self, seqs, paths, committed):
+        commit(self, seqs, paths, committed)
         assert all(isinstance(self.unread[s], list) for s in seqs)
         kept.append([sum(len(chunk) for chunk in self.unread[s]) for s in seqs])
 

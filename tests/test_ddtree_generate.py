@@ -63,7 +63,7 @@ def test_compaction_equals_fresh_forward_over_committed_tokens(family):
     path = _root_path(tree, deepest)
     assert path != list(range(len(path)))  # a non-contiguous selection is exercised
     models.verify([0], [tree], [3])
-    models.commit([0], [path], [[]], [True])
+    models.commit([0], [path], [[]])
     cache, fresh = models.cache, adapter.new_cache()
     committed = torch.cat([p, torch.tensor([3] + [int(tree.token_ids[i]) for i in path])])
     forward_one(adapter, committed, torch.arange(len(committed)), fresh)

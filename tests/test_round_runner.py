@@ -38,8 +38,8 @@ class ScriptedModels:
             logits[row, TRUE[self.pos + d + 1]] = 1.0
         return [logits]
 
-    def commit(self, seqs, paths, committed, drafted) -> None:
-        self.calls.append(("commit", list(paths[0]), list(committed[0]), drafted[0]))
+    def commit(self, seqs, paths, committed) -> None:
+        self.calls.append(("commit", list(paths[0]), list(committed[0])))
         self.pos += len(committed[0])
 
     def finish(self, seqs) -> None:
@@ -87,8 +87,7 @@ def test_a_round_drafts_only_when_asked_and_commits_the_walk_cut_at_a_stop():
     assert policy.blocks == [None, "block@6", None, "block@10"]
     assert policy.observed == [[], [0, 1], [], [0]]
     assert [c for c in side.calls if c[0] == "commit"] == [
-        ("commit", [], [6], False), ("commit", [0, 1], [7, 8, 9], True), ("commit", [], [10], False),
-        ("commit", [0, 1], [11], True)]
+        ("commit", [], [6]), ("commit", [0, 1], [7, 8, 9]), ("commit", [], [10]), ("commit", [0, 1], [11])]
     assert [c[1] for c in side.calls if c[0] == "draft"] == [6, 10]
 
 
