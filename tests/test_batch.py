@@ -106,9 +106,9 @@ def test_a_batch_equals_each_prompt_decoded_alone_and_accepts_deep_paths(pair, m
     kept = []
     real = LiveModels.commit
 
-    def spy(self, seqs, paths, committed, drafted):
+    def spy(self, seqs, paths, committed):
         kept.extend(paths)
-        return real(self, seqs, paths, committed, drafted)
+        return real(self, seqs, paths, committed)
 
     monkeypatch.setattr(LiveModels, "commit", spy)
     planted = [PlantedTree(r, int(p.shape[1]), 16, seed=b) for b, (r, p) in enumerate(zip(references, prompts))]
@@ -214,8 +214,8 @@ def test_a_path_kept_in_another_sequences_cache_is_caught(pair, monkeypatch):
     target, draft, prompts, max_new, _, _ = pair
     real = LiveModels.commit
 
-    def swapped(self, seqs, paths, committed, drafted):  # sequence b's cache keeps sequence b+1's accepted path
-        return real(self, seqs, paths[1:] + paths[:1] if len(paths) > 1 else paths, committed, drafted)
+    def swapped(self, seqs, paths, committed):  # sequence b's cache keeps sequence b+1's accepted path
+        return real(self, seqs, paths[1:] + paths[:1] if len(paths) > 1 else paths, committed)
 
     monkeypatch.setattr(LiveModels, "commit", swapped)
     got, references = _planted_batch(target, draft, prompts[:4], max_new)

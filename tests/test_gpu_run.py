@@ -158,8 +158,8 @@ def test_oracle_trees_catch_a_prefix_compaction_that_random_trees_miss(monkeypat
     assert intact["exact_match"] == intact["runs_total"] and intact["oracle_mean_tau"] > 2.5
     real = LiveModels.commit
 
-    def prefix_compaction(self, seqs, paths, committed, drafted):  # keeps nodes 0..k-1, not the path
-        return real(self, seqs, [list(range(len(p))) for p in paths], committed, drafted)
+    def prefix_compaction(self, seqs, paths, committed):  # keeps nodes 0..k-1, not the path
+        return real(self, seqs, [list(range(len(p))) for p in paths], committed)
 
     monkeypatch.setattr(LiveModels, "commit", prefix_compaction)
     broken = gpu_check.exactness_check(target, draft, config)
