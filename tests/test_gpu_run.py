@@ -209,3 +209,15 @@ def test_the_benchmark_step_names_what_it_lacks_and_the_carried_wheels_are_read_
     done = subprocess.run([sys.executable, "-c", code], env=runner._child_env(str(wheels)), capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0 and '{"q": 1}' in done.stdout, done.stderr
+
+
+def test_the_steps_run_from_the_checkout_on_a_python_where_nothing_is_installed():
+    """On the box nothing is installed: a step's child process imports the packages from ``REPO`` alone (its cwd and
+    the head of its PYTHONPATH), so ``REPO`` must be the checkout. The 2026-12-05 H100 check failed every step on
+    ``No module named 'experiments'`` because it was the ``experiments`` folder."""
+    from experiments.studies import drafter_stream
+    from experiments.studies.gpu_run import runner
+
+    assert runner.REPO == REPO
+    assert runner._child_env(None)["PYTHONPATH"].split(os.pathsep)[0] == str(REPO)
+    assert (drafter_stream.ZOO / "config.json").is_file()  # the same slip: it named experiments/dflash_core/zoo

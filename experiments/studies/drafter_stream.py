@@ -25,7 +25,9 @@ from pathlib import Path
 
 import torch
 
-ZOO = Path(__file__).resolve().parents[1] / "dflash_core" / "zoo" / "smollm2-135m-dflash"
+from dflash_core.default import DEFAULT_DRAFT_DIR
+
+ZOO = DEFAULT_DRAFT_DIR
 
 
 def parse_mix(text: str) -> dict[str, float]:

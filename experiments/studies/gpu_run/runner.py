@@ -45,7 +45,7 @@ import zipfile
 from pathlib import Path
 from typing import Any, Callable
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]  # experiments/studies/gpu_run/runner.py -> the checkout
 # (step, file, share of the time budget): a step's limit is its share of what is left, so time a step did not use
 # goes to the later ones.
 STEPS = (("env", "1-env.json", 2), ("verify", "2-verify.json", 6), ("exactness", "3-exactness.json", 6),
