@@ -161,22 +161,11 @@ def _single_seconds(target, draft, policy: AutoBudget, context: int) -> np.ndarr
 
 
 def ddtree_generate(
-    target,
-    draft,
-    input_ids: torch.Tensor,
-    budget: int | str | None = None,
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    stop_token_ids: Sequence[int] | None = None,
-    seed: int = 0,
-    block_size: int | None = None,
-    trace: bool = False,
-    policy=None,
-    tree: str = "topk",
-    lookup: bool = False,
-    check_trees: bool = False,
-    attention_mask: torch.Tensor | None = None,
-    memory: RoundMemory | None = None,
+    target, draft, input_ids: torch.Tensor, budget: int | str | None = None, max_new_tokens: int = 128,
+    temperature: float = 0.0, stop_token_ids: Sequence[int] | None = None, seed: int = 0,
+    block_size: int | None = None, trace: bool = False, policy=None, tree: str = "topk", lookup: bool = False,
+    check_trees: bool = False, attention_mask: torch.Tensor | None = None, memory: RoundMemory | None = None,
+    top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
 ) -> GenerationResult | list[GenerationResult]:
     """Speculative decoding with a DDTree draft tree per round; the output is exactly the target's.
 
@@ -205,8 +194,11 @@ def ddtree_generate(
     the caller holds and passes to later calls to carry it over; None starts fresh from the cost curve cached on
     disk, the same every time. In a batch each sequence learns in its own fork of it (its calibration and rate are
     its own prompt's) and the memory takes every sequence's rounds back after the call.
+    ``top_k`` / ``top_p`` / ``min_p`` (T > 0): transformers' filters of the target's distribution, which every tree
+    kind then samples from (:mod:`dflash_core.sampling`); the drafter's proposals are not filtered.
     """
-    request = Request.check(input_ids, max_new_tokens, temperature, stop_token_ids, seed, attention_mask)
+    request = Request.check(input_ids, max_new_tokens, temperature, stop_token_ids, seed, attention_mask, top_k,
+                            top_p, min_p)
     count = len(request.prompts)
     if policy is not None:
         if budget is not None or tree != "topk" or lookup or memory is not None:

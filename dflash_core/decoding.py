@@ -40,6 +40,7 @@ from typing import Any, Iterator, Protocol, Sequence
 import torch
 
 from .model import DFlashDraftModel, DraftCache, markov_scorer
+from .sampling import Sampling
 from .target import TargetAdapter, check_compatibility, check_mask_backend
 from .tree import ROOT, BlockPolicy, Chain, DraftBlock, DraftTree, NoDraft, child_index
 
@@ -62,25 +63,27 @@ class Request:
     stop_token_ids: tuple = ()
     seed: int = 0
     single: bool = True
+    sampling: Sampling = field(default_factory=Sampling)
 
     @classmethod
     def check(cls, input_ids, max_new_tokens: int, temperature: float, stop_token_ids=None, seed: int = 0,
-              attention_mask: torch.Tensor | None = None) -> Request:
-        """Raise ValueError for a malformed prompt, length or temperature, before any model work. ``input_ids``: a
-        ``[1, T]`` prompt, a list of ``[T]`` / ``[1, T]`` prompts, or padded ``[B, T]`` ids (with an
-        ``attention_mask`` marking each row's tokens, left or right padding)."""
+              attention_mask: torch.Tensor | None = None, top_k: int | None = None, top_p: float | None = None,
+              min_p: float | None = None) -> Request:
+        """Raise ValueError for a malformed prompt, length or sampling setting, before any model work. ``input_ids``:
+        a ``[1, T]`` prompt, a list of ``[T]`` / ``[1, T]`` prompts, or padded ``[B, T]`` ids (with an
+        ``attention_mask`` marking each row's tokens, left or right padding). ``top_k`` / ``top_p`` / ``min_p``:
+        transformers' filters of the target's distribution (:class:`~dflash_core.sampling.Sampling`)."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) \
-                or not math.isfinite(temperature) or temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+        sampling = Sampling.check(temperature, top_k, top_p, min_p)
         single = not _is_batch(input_ids, attention_mask)
         prompts = [input_ids] if single else _as_prompts(input_ids, attention_mask)
         for b, ids in enumerate(prompts):
             problem = _prompt_problem(ids)
             if problem:
                 raise ValueError(problem if single else f"prompt {b} of the batch: {problem}")
-        return cls(prompts, int(max_new_tokens), float(temperature), tuple(stop_token_ids or ()), seed, single)
+        return cls(prompts, int(max_new_tokens), float(temperature), tuple(stop_token_ids or ()), seed, single,
+                   sampling)
 
     @property
     def longest(self) -> int:
@@ -273,6 +276,7 @@ class SequenceDecoder:
     temperature: float = 0.0
     generator: torch.Generator | None = None
     check_trees: bool = False
+    sampling: Sampling | None = None  # top-k / top-p / min-p: the verified logits are filtered before the walk
 
     def finished(self, history: list[int], result: GenerationResult) -> bool:
         return history[-1] in self.stops or len(result.new_token_ids) >= self.max_new_tokens
@@ -301,6 +305,8 @@ class SequenceDecoder:
              ) -> tuple[list[int], list[int], bool]:
         """(accepted nodes, committed tokens, whether generation ends): the verification rule's walk, cut at a stop
         token or the length limit; the policy observes the accepted nodes that were committed."""
+        if self.sampling is not None:
+            logits = self.sampling.filter(logits)
         path, bonus = verify_walk(tree, logits, self.temperature, self.generator)
         committed, done = truncate_at_stop([int(tree.token_ids[i]) for i in path] + [bonus], self.stops,
                                            self.max_new_tokens - len(result.new_token_ids))
@@ -598,12 +604,13 @@ def decode(target, draft: DFlashDraftModel | None, request: Request, policies: l
                                                   [p.uses_draft for p in policies])
         histories = []
         for b, (prompt, result) in enumerate(zip(request.prompts, results)):
-            root = follow(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), logits[b: b + 1],
-                          request.temperature, generators[b])[1]
+            root = follow(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
+                          request.sampling.filter(logits[b: b + 1]), request.temperature, generators[b])[1]
             result.new_token_ids.append(root)
             histories.append(prompt[0].tolist() + [root])
-        decoders = [SequenceDecoder(policy, stops, request.max_new_tokens, request.temperature, gen, check_trees)
-                    for policy, gen in zip(policies, generators)]
+        sampling = request.sampling if request.sampling.filters else None
+        decoders = [SequenceDecoder(policy, stops, request.max_new_tokens, request.temperature, gen, check_trees,
+                                    sampling) for policy, gen in zip(policies, generators)]
         t_loop = time.perf_counter()
         run_rounds(decoders, models, histories, results, timer, proposer)
         if device.type == "cuda":
@@ -620,7 +627,8 @@ def decode(target, draft: DFlashDraftModel | None, request: Request, policies: l
 def speculative_generate(target, draft: DFlashDraftModel | None, input_ids, policy, max_new_tokens: int = 128,
                          temperature: float = 0.0, stop_token_ids: Sequence[int] | None = None, seed: int = 0,
                          block_size: int | None = None, trace: bool = False, check_trees: bool = False,
-                         attention_mask: torch.Tensor | None = None, proposer: TreeProposer | None = None
+                         attention_mask: torch.Tensor | None = None, proposer: TreeProposer | None = None,
+                         top_k: int | None = None, top_p: float | None = None, min_p: float | None = None
                          ) -> GenerationResult | list[GenerationResult]:
     """Generate with ``policy`` deciding each round's draft tree (see the module docstring for why it is lossless).
 
@@ -629,8 +637,12 @@ def speculative_generate(target, draft: DFlashDraftModel | None, input_ids, poli
     uses its own copy of ``policy`` (or ``policy[b]`` from a list) and a generator seeded ``seed + b``, so it commits
     what a single-prompt call with that seed commits. ``check_trees`` checks every invariant of each tree (for
     developing a policy); ``proposer`` proposes each round's trees for the whole batch (:class:`TreeProposer`).
+    ``top_k`` / ``top_p`` / ``min_p`` (T > 0): transformers' filters of the target's distribution; every round
+    samples from the filtered distribution, so the output is distributed as plain decoding's with the same filters
+    (:mod:`dflash_core.sampling`).
     """
-    request = Request.check(input_ids, max_new_tokens, temperature, stop_token_ids, seed, attention_mask)
+    request = Request.check(input_ids, max_new_tokens, temperature, stop_token_ids, seed, attention_mask, top_k,
+                            top_p, min_p)
     results = decode(target, draft, request, policies_for(policy, len(request.prompts)), block_size, trace,
                      check_trees, proposer)
     return results[0] if request.single else results
@@ -638,20 +650,26 @@ def speculative_generate(target, draft: DFlashDraftModel | None, input_ids, poli
 
 def autoregressive_generate(target, input_ids, max_new_tokens: int = 128, temperature: float = 0.0,
                             stop_token_ids: Sequence[int] | None = None, seed: int = 0,
-                            attention_mask: torch.Tensor | None = None) -> GenerationResult | list[GenerationResult]:
+                            attention_mask: torch.Tensor | None = None, top_k: int | None = None,
+                            top_p: float | None = None, min_p: float | None = None
+                            ) -> GenerationResult | list[GenerationResult]:
     """Plain decoding: one target forward per token (the reference every speculative method must reproduce). A list
-    of prompts (or padded ids with ``attention_mask``) decodes as a batch: one forward per token for all."""
+    of prompts (or padded ids with ``attention_mask``) decodes as a batch: one forward per token for all.
+    ``top_k`` / ``top_p`` / ``min_p``: transformers' sampling filters (T > 0)."""
     return speculative_generate(target, None, input_ids, NoDraft(), max_new_tokens, temperature, stop_token_ids, seed,
-                                attention_mask=attention_mask)
+                                attention_mask=attention_mask, top_k=top_k, top_p=top_p, min_p=min_p)
 
 
 def dflash_generate(target, draft: DFlashDraftModel, input_ids, max_new_tokens: int = 128, temperature: float = 0.0,
                     stop_token_ids: Sequence[int] | None = None, seed: int = 0, block_size: int | None = None,
-                    attention_mask: torch.Tensor | None = None) -> GenerationResult | list[GenerationResult]:
-    """DFlash: draft a block in one drafter pass, verify it as a chain in one target pass (a batch as for
-    :func:`speculative_generate`)."""
+                    attention_mask: torch.Tensor | None = None, top_k: int | None = None,
+                    top_p: float | None = None, min_p: float | None = None
+                    ) -> GenerationResult | list[GenerationResult]:
+    """DFlash: draft a block in one drafter pass, verify it as a chain in one target pass (a batch and the sampling
+    filters as for :func:`speculative_generate`)."""
     return speculative_generate(target, draft, input_ids, Chain(), max_new_tokens, temperature, stop_token_ids, seed,
-                                block_size=block_size, attention_mask=attention_mask)
+                                block_size=block_size, attention_mask=attention_mask, top_k=top_k, top_p=top_p,
+                                min_p=min_p)
 
 
 def spec_generate(self: DFlashDraftModel, target, input_ids: torch.Tensor, max_new_tokens: int = 2048,

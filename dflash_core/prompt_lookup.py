@@ -103,12 +103,15 @@ class PromptLookup(BlockPolicy):
 
 def lookup_generate(target, input_ids: torch.Tensor, max_new_tokens: int = 128, temperature: float = 0.0,
                     stop_token_ids: Sequence[int] | None = None, seed: int = 0, max_ngram: int = 3,
-                    num_tokens: int = 10) -> GenerationResult:
+                    num_tokens: int = 10, top_k: int | None = None, top_p: float | None = None,
+                    min_p: float | None = None) -> GenerationResult:
     """Prompt-lookup decoding: the same arguments and result as the other ``*_generate`` functions, no drafter.
 
     ``max_ngram``: the longest suffix matched against the context; ``num_tokens``: how many tokens a round proposes.
+    ``top_k`` / ``top_p`` / ``min_p``: transformers' sampling filters (T > 0, :mod:`dflash_core.sampling`).
     """
     policy = PromptLookup(max_ngram, num_tokens)
-    result = speculative_generate(target, None, input_ids, policy, max_new_tokens, temperature, stop_token_ids, seed)
+    result = speculative_generate(target, None, input_ids, policy, max_new_tokens, temperature, stop_token_ids, seed,
+                                  top_k=top_k, top_p=top_p, min_p=min_p)
     result.lookup_tokens = policy.lookup_committed  # every committed draft token is a lookup one
     return result

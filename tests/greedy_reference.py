@@ -34,9 +34,10 @@ def greedy_reference(target, input_ids: torch.Tensor, max_new_tokens: int,
 
 @torch.no_grad()
 def exact_joint(target, input_ids: torch.Tensor, steps: int, temperature: float = 1.0,
-                stop_token_ids: Iterable[int] = ()) -> dict[tuple[int, ...], float]:
+                stop_token_ids: Iterable[int] = (), distribution=None) -> dict[tuple[int, ...], float]:
     """Exact probability of every sequence of the first ``steps`` new tokens under plain sampling from
-    softmax(logits / temperature); a sequence ends early at a stop token (it is then shorter)."""
+    softmax(logits / temperature) (or ``distribution(logits)`` [V] -> [V] probabilities, e.g. transformers' own
+    top-k / top-p / min-p warpers); a sequence ends early at a stop token (it is then shorter)."""
     stops = set(int(t) for t in stop_token_ids)
     vocab = target.config.vocab_size
     done: dict[tuple[int, ...], float] = {}
@@ -45,7 +46,8 @@ def exact_joint(target, input_ids: torch.Tensor, steps: int, temperature: float 
         nxt = {}
         for seq, pr in probs.items():
             ids = torch.tensor([input_ids[0].tolist() + list(seq)])
-            dist = torch.softmax(target(input_ids=ids, use_cache=False).logits[0, -1].double() / temperature, -1)
+            logits = target(input_ids=ids, use_cache=False).logits[0, -1].double()
+            dist = torch.softmax(logits / temperature, -1) if distribution is None else distribution(logits)
             for t in range(vocab):
                 (done if t in stops else nxt)[seq + (t,)] = pr * float(dist[t])
         probs = nxt

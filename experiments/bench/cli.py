@@ -284,6 +284,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="also run your own ProposalPolicy class (built with no arguments, labelled by its name; "
                              "see experiments/bench/policies.py); repeatable")
     parser.add_argument("--temperatures", type=_csv(float), help="e.g. 0 or 0,1")
+    parser.add_argument("--top-k", type=int, default=None, help="sampling: keep the k most likely tokens (T > 0; "
+                        "transformers' top_k, 0 = off)")
+    parser.add_argument("--top-p", type=float, default=None, help="sampling: nucleus mass (T > 0; transformers' "
+                        "top_p, 1 = off)")
+    parser.add_argument("--min-p", type=float, default=None, help="sampling: drop tokens below min_p x the top "
+                        "token's probability (T > 0; transformers' min_p, 0 = off)")
+    parser.add_argument("--enable-thinking", action="store_true", default=None,
+                        help="switch the chat template's thinking on (Qwen3-style templates; off by default)")
     parser.add_argument("--dtype", choices=DTYPES)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--device", help="auto (CUDA when available), cpu, cuda, cuda:1, ... (default: the preset's)")
@@ -311,7 +319,9 @@ def preset_from_args(args: argparse.Namespace, include_hub: bool = False) -> Pre
         budgets=args.budgets, trees=args.trees, temperatures=args.temperatures, dtype=args.dtype, seed=args.seed,
         device=args.device, time_budget_s=args.time_budget * 60 if args.time_budget else None,
         cpu_kernels=args.cpu_kernels, lookup_budgets=args.lookup_budgets, include_hub=include_hub,
-        full=bool(getattr(args, "full", False)))
+        full=bool(getattr(args, "full", False)), top_k=getattr(args, "top_k", None),
+        top_p=getattr(args, "top_p", None), min_p=getattr(args, "min_p", None),
+        enable_thinking=getattr(args, "enable_thinking", None))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

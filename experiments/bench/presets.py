@@ -33,6 +33,7 @@ from typing import Any
 
 from ddtree.generate import BUDGET_WORDS
 from dflash_core.cpu_kernels import KERNEL_CHOICES
+from dflash_core.sampling import Sampling
 from dflash_core.training.pools.catalog import HUB_DATASETS, KNOWN_DATASETS, OFFLINE_DATASETS, canonical_name
 from experiments.bench.schema import METHODS, TREE_KINDS
 
@@ -106,6 +107,10 @@ class Preset:
     min_budgets: int = 1  # sizing keeps at least this many DDTree fixed budgets live
     replay_budgets: tuple[int | str, ...] = ()  # replayed on plain decoding's text: ints, "auto", "chain"
     replay_lookup_budgets: tuple[int | str, ...] = ()  # DDTree+lookup replayed (ints, "auto"); PLD with any
+    top_k: int | None = None  # transformers' sampling filters at T > 0 (dflash_core.sampling); None = off
+    top_p: float | None = None
+    min_p: float | None = None
+    enable_thinking: bool | None = None  # the chat template's thinking switch for every pair (None: the pair's)
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -172,6 +177,10 @@ class Preset:
         for b in (*self.full_lookup_budgets, *self.replay_lookup_budgets):
             if isinstance(b, bool) or not (isinstance(b, int) and b >= 0 or b == "auto"):
                 out.append(f"lookup budget {b!r} is neither an int >= 0 nor 'auto'")
+        try:
+            Sampling.check(1.0, self.top_k, self.top_p, self.min_p)
+        except ValueError as err:
+            out.append(str(err))
         for b in self.replay_budgets:
             if isinstance(b, bool) or not (isinstance(b, int) and b >= 0 or b in ("auto", "chain")):
                 out.append(f"replay budget {b!r} is neither an int >= 0 nor 'auto' or 'chain'")
@@ -357,7 +366,8 @@ def with_overrides(preset: Preset, *, target: str | None = None, draft: str | No
     map and chat settings are kept), else a new pair with the first pair's drafter. ``include_hub`` adds the
     preset's hub-only datasets (in the order of ``KNOWN_DATASETS``). Explicitly given budgets are never optional.
     ``full``: the preset's whole grid live (``--full``): its ``full_budgets`` and ``full_lookup_budgets`` join the
-    budgets that were not given explicitly."""
+    budgets that were not given explicitly. ``enable_thinking`` sets the chat template's thinking switch of every
+    pair."""
     changes = {k: v for k, v in fields.items() if v is not None}
     if full:
         if "budgets" not in changes:
@@ -383,6 +393,11 @@ def with_overrides(preset: Preset, *, target: str | None = None, draft: str | No
         chosen = set(preset.datasets) | set(preset.hub_datasets)
         order = [d for d in KNOWN_DATASETS if d in chosen] + [d for d in preset.datasets if d not in KNOWN_DATASETS]
         changes["datasets"], changes["hub_datasets"] = tuple(order), ()
+    if "enable_thinking" in changes:  # the switch goes into every pair's chat template settings
+        switch = bool(changes["enable_thinking"])
+        changes["models"] = tuple(dataclasses.replace(
+            pair, chat_template_kwargs=tuple({**dict(pair.chat_template_kwargs), "enable_thinking": switch}.items()))
+            for pair in changes.get("models", preset.models))
     if "max_samples" in changes:  # an explicit sample count applies to every dataset
         changes.setdefault("samples_per_dataset", ())
         changes.setdefault("min_samples", min(preset.min_samples, changes["max_samples"]))

@@ -115,6 +115,7 @@ class Session:
         self.ar = Variant("ar") if Variant("ar") in variants else None
         self.others = [v for v in variants if v.method != "ar"]
         self.chat_kwargs = dict(models.pair.chat_template_kwargs) or None
+        self.filters = {"top_k": preset.top_k, "top_p": preset.top_p, "min_p": preset.min_p}
         self.memories: dict[tuple[float, str], Any] = {}  # (temperature, label) -> auto's RoundMemory
 
     def at(self, temperature: float) -> list[Variant]:
@@ -140,7 +141,7 @@ class Session:
     def _generate(self, variant: Variant, input_ids: torch.Tensor, temperature: float, seed: int):
         t0 = time.perf_counter()
         result = generate(variant, self.models, input_ids, self.preset.max_new_tokens, temperature, seed,
-                          self.memory(variant, temperature))
+                          self.memory(variant, temperature), self.filters)
         return result, time.perf_counter() - t0
 
     def _write(self, record: SampleRecord) -> None:
@@ -250,8 +251,10 @@ class Session:
         t = max((c.temperature for c in todo), default=0.0)  # sampling accepts less: size for the slowest
         per_token, per_call = {}, {}
         for variant in self.variants:
-            generate(variant, self.models, input_ids, self.preset.warmup_tokens, t, 0, self.memory(variant, t))
-            result = generate(variant, self.models, input_ids, self.preset.warmup_tokens, t, 0, self.memory(variant, t))
+            generate(variant, self.models, input_ids, self.preset.warmup_tokens, t, 0, self.memory(variant, t),
+                     self.filters)
+            result = generate(variant, self.models, input_ids, self.preset.warmup_tokens, t, 0,
+                              self.memory(variant, t), self.filters)
             per_token[variant] = result.timings.get("decode", 0.0) / max(1, len(result.new_token_ids) - 1)
             per_call[variant] = result.timings.get("prefill", 0.0)
             if variant.method == "ar" and self.replayer is not None:  # one replayed turn, scaled to the run's

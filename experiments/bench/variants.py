@@ -26,14 +26,14 @@ def _int(budget) -> bool:
 
 
 def generate(variant: Variant, models: "Models", input_ids: "torch.Tensor", max_new_tokens: int,
-             temperature: float, seed: int, memory=None):
+             temperature: float, seed: int, memory=None, filters: dict | None = None):
     """Run ``variant`` on ``input_ids``: the generation function's result. ``memory``: for ``auto`` and
     ``chain-auto``, the :class:`ddtree.RoundMemory` that carries what it learnt from one generation to the next (the
-    session holds one per method; None: start fresh)."""
+    session holds one per method; None: start fresh). ``filters``: ``top_k`` / ``top_p`` / ``min_p``."""
     from dflash_core import autoregressive_generate, dflash_generate, lookup_generate
 
     args = dict(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=models.stop_token_ids,
-                seed=seed)
+                seed=seed, **(filters or {}))
     if variant.method == "ar":
         return autoregressive_generate(models.target, input_ids, **args)
     if variant.method == "pld":
