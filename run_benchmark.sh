@@ -11,6 +11,11 @@
 #   bash run_benchmark.sh --batch 1,2,4,8  throughput mode: tokens/s per method per batch size (prompts decoded
 #                                          together), plain decoding batched as the baseline, and its figure
 #                                          (python -m experiments.bench.throughput; default folder runs/throughput)
+#   bash run_benchmark.sh --preset baselines
+#                                          tree builders side by side on the embedded pair (DDTree, EAGLE-2, Sequoia,
+#                                          Medusa; at T = 1 also sampled trees, traversal verification, SpecInfer):
+#                                          replayed over 63 prompts, live over 6 per dataset; table and figure
+#                                          (python -m experiments.bench.tree_builders; default folder runs/baselines)
 #   --hub-datasets                         also the preset's hub-only datasets (paper: mbpp, livecodebench,
 #                                          swe-bench, alpaca; they need the Hugging Face Hub and `datasets`)
 #
@@ -58,6 +63,22 @@ if [ -n "$BATCH" ]; then
     echo "  figure:  $OUT/throughput.png"
   fi
   echo "[run_benchmark] finished in $((SECONDS - START)) s; results: $OUT/throughput.json"
+  exit 0
+fi
+if [ "$PRESET" = "baselines" ]; then  # tree builders side by side on one drafter: replayed and live
+  OUT="${OUT:-runs/baselines}"
+  if [ "$DRY_RUN" = "1" ] || [ "$HUB" = "1" ]; then
+    echo "[run_benchmark] --preset baselines takes neither --dry-run nor --hub-datasets (see python -m experiments.bench.tree_builders --help)" >&2
+    exit 2
+  fi
+  source scripts/bootstrap.sh
+  echo "[run_benchmark] tree builders (DDTree, EAGLE-2, Sequoia, Medusa; at T > 0 sampled, traversal, SpecInfer) -> $OUT"
+  "$DDTREE_PYTHON" -m experiments.bench.tree_builders --out "$OUT" ${ARGS[@]+"${ARGS[@]}"}
+  if "$DDTREE_PYTHON" -c "import matplotlib" >/dev/null 2>&1; then
+    "$DDTREE_PYTHON" -m plots.tree_builders_figure "$OUT/summary.json" --out "$OUT/tree_builders.png" >/dev/null
+    echo "  figure:  $OUT/tree_builders.png"
+  fi
+  echo "[run_benchmark] finished in $((SECONDS - START)) s; table: $OUT/summary.md"
   exit 0
 fi
 OUT="${OUT:-runs/$PRESET}"

@@ -44,3 +44,29 @@ def save_figure(fig: Figure, out_dir: Path, stem: str, formats: Sequence[str]) -
 def figure_title(text: str, subtitle: str | None) -> str:
     """A figure's title, with the run's subtitle (e.g. the model pair) on a second line when there is one."""
     return f"{text}\n{subtitle}" if subtitle else text
+
+
+def save_to(fig: Figure, out: str | Path) -> Path:
+    """Lay out ``fig``, save it at ``out`` (its suffix is the format, png when none) and close it; the path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    out = Path(out)
+    path = save_figure(fig, out.parent, out.stem, [out.suffix.lstrip(".") or "png"])[0]
+    plt.close(fig)
+    return path
+
+
+def record_figure_main(argv, prog: str, doc: str, record_help: str, default_name: str, plot) -> int:
+    """The command line of a figure drawn from one JSON record: ``prog RECORD [--out PATH]`` (default: next to the
+    record, ``default_name``); prints the figure's path."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
+    p.add_argument("record", help=record_help)
+    p.add_argument("--out", default=None, help=f"figure path (default: next to the record, {default_name})")
+    args = p.parse_args(argv)
+    record = json.loads(Path(args.record).read_text())
+    print(plot(record, args.out or Path(args.record).with_name(default_name)))
+    return 0

@@ -9,12 +9,10 @@ method by plain decoding at the same batch size, so the line at 1 is where specu
 
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
 
 from plots.colors import METHOD_COLORS, VARIANT_COLORS
-from plots.style import save_figure
+from plots.style import record_figure_main, save_to
 
 __all__ = ["throughput_lines", "plot_throughput"]
 
@@ -66,21 +64,13 @@ def plot_throughput(record: dict, out: str | Path) -> Path:
     fig.suptitle(f"Throughput vs batch size: {settings.get('dtype', '')}, {settings.get('threads', '?')} threads"
                  + (f", {machine}" if machine else "") + f", {settings.get('max_new_tokens', '?')} new tokens",
                  fontsize=9)
-    fig.tight_layout()
-    out = Path(out)
-    path = save_figure(fig, out.parent, out.stem, [out.suffix.lstrip(".") or "png"])[0]
-    plt.close(fig)
-    return path
+    return save_to(fig, out)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m plots.throughput_figure", description=__doc__.split("\n\n")[0])
-    p.add_argument("record", help="throughput.json written by experiments.bench.throughput")
-    p.add_argument("--out", default=None, help="figure path (default: next to the record, throughput.png)")
-    args = p.parse_args(argv)
-    record = json.loads(Path(args.record).read_text())
-    print(plot_throughput(record, args.out or Path(args.record).with_name("throughput.png")))
-    return 0
+    return record_figure_main(argv, "python -m plots.throughput_figure", __doc__,
+                              "throughput.json written by experiments.bench.throughput", "throughput.png",
+                              plot_throughput)
 
 
 if __name__ == "__main__":
