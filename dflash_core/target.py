@@ -20,9 +20,19 @@ from torch import nn
 from transformers.cache_utils import DynamicLayer
 
 __all__ = ["TargetAdapter", "TargetOutput", "TappedOutput", "tapped_forward", "IncompatibleModelError",
-           "SUPPORTED_MODEL_TYPES", "TREE_MASK_BACKENDS", "check_compatibility", "check_mask_backend"]
+           "SUPPORTED_MODEL_TYPES", "NOT_YET", "LAYER_KINDS", "TREE_MASK_BACKENDS", "check_compatibility",
+           "check_mask_backend"]
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral", "qwen3_moe", "gemma3_text", "gpt_oss")
+_RECURRENT = ("its Gated DeltaNet linear-attention layers keep a recurrent state instead of per-token keys and values, "
+              "so a tree needs each node's own state (not implemented)")
+_MLA = "multi-head latent attention is not wired to the tree mask and cache compaction (not implemented)"
+# families DFlash drafters serve that tree verification here does not cover yet, with the reason
+NOT_YET = {"qwen3_next": _RECURRENT, "qwen3_5": _RECURRENT, "qwen3_5_moe": _RECURRENT, "qwen3_5_text": _RECURRENT,
+           "deepseek_v3": _MLA, "kimi_k25": _MLA, "kimi_k2": _MLA}
+# attention layer kinds a tree can be verified on: full attention sees the whole ancestry, a sliding layer the
+# ancestors and committed tokens within its window (both from one 4D mask per kind)
+LAYER_KINDS = ("full_attention", "sliding_attention")
 # attention backends that apply a custom 4D mask as given; flash-attention kernels read a mask as 2D padding only
 TREE_MASK_BACKENDS = ("sdpa", "eager", "flex_attention")
 
@@ -117,6 +127,9 @@ class TargetAdapter:
     def __init__(self, model: nn.Module, layer_ids: tuple[int, ...] | list[int] = ()) -> None:
         config = getattr(model, "config", None)
         model_type = getattr(config, "model_type", None)
+        if model_type in NOT_YET:
+            raise IncompatibleModelError(
+                f"target model_type {model_type!r} is not supported yet: {NOT_YET[model_type]}")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise IncompatibleModelError(
                 f"target model_type {model_type!r} is not supported; supported families: {', '.join(SUPPORTED_MODEL_TYPES)} "
@@ -127,12 +140,7 @@ class TargetAdapter:
             raise IncompatibleModelError(
                 f"{type(model).__name__} has no .model.embed_tokens / .lm_head: pass an AutoModelForCausalLM, not a base model"
             )
-        layer_types = getattr(config, "layer_types", None) or []
-        if any(t != "full_attention" for t in layer_types) or getattr(config, "use_sliding_window", False):
-            raise IncompatibleModelError(
-                "target uses sliding-window or non-full attention layers; tree verification needs a full-attention "
-                "KV cache (set use_sliding_window=False or use another target)"
-            )
+        self.layer_kinds, self.window = _attention_layout(config)
         self.model = model
         self.config = config
         self.num_layers = int(config.num_hidden_layers)
@@ -145,6 +153,11 @@ class TargetAdapter:
             )
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    @property
+    def sliding(self) -> bool:
+        """Whether some layer attends within a sliding window (its tree mask then differs from the full one)."""
+        return self.window is not None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -191,7 +204,14 @@ class TargetAdapter:
         hidden = hidden.to(self.device)
         if draft is not None and getattr(draft, "draft_vocab", None) is not None:
             return draft.vocab_logits(hidden, self.model.lm_head.weight)
-        return self.model.lm_head(hidden.to(self.dtype)).float()
+        return self.head(hidden.to(self.dtype))
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] -> float32 logits as the model's own forward returns them (its LM head, then the final
+        logit soft-capping of the families that have one, e.g. Gemma)."""
+        logits = self.model.lm_head(hidden).float()
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        return torch.tanh(logits / cap) * cap if cap else logits
 
     def draft_logits(self, hidden: torch.Tensor, draft) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[..., hidden] -> (float32 logits [..., V'] over ``draft``'s draft vocabulary, its id map [V'] on the
@@ -248,17 +268,33 @@ class TargetAdapter:
         ``rows`` asked for, float32 [K, V], and the features of all, [B, n, F]. Only those rows pass through the LM
         head. ``visible=None`` runs the model's own causal mask: exact when every row continues its whole cache."""
         b, n = token_ids.shape
-        mask = None
-        if visible is not None:
-            mask = torch.zeros((b, 1) + tuple(visible.shape[1:]), dtype=self.dtype, device=self.device)
-            mask.masked_fill_(~visible.to(self.device)[:, None], torch.finfo(self.dtype).min)
+        mask = None if visible is None else self.masks(visible.to(self.device), position_ids.to(self.device))
         out = tapped_forward(self.model, token_ids.to(self.device), self.layer_ids if with_features else (),
                              head=False, position_ids=position_ids.to(self.device), attention_mask=mask,
                              use_cache=True, **{self._cache_kw: cache})
         hidden = out.last_hidden.reshape(b * n, -1)
         if rows is not None:
             hidden = hidden.index_select(0, rows.to(hidden.device))
-        return TargetOutput(logits=self.model.lm_head(hidden.to(self.device)).float(), features=out.features)
+        return TargetOutput(logits=self.head(hidden.to(self.device)), features=out.features)
+
+    def masks(self, visible: torch.Tensor, position_ids: torch.Tensor):
+        """The model's attention mask for ``visible`` [B, n, S + n] (cache slots, then the new tokens): one additive
+        [B, 1, n, S + n] mask, or with sliding-window layers one per layer kind (a dict, as transformers' models
+        take it), where a sliding layer also hides every key ``window`` or more positions before the query. Cache
+        slot j holds position j (a sequence's committed tokens sit at slots [0, L_b); later slots are hidden);
+        the new tokens sit at ``position_ids``."""
+        def additive(allowed: torch.Tensor) -> torch.Tensor:
+            mask = torch.zeros(allowed.shape[:1] + (1,) + allowed.shape[1:], dtype=self.dtype, device=self.device)
+            return mask.masked_fill_(~allowed[:, None], torch.finfo(self.dtype).min)
+
+        if not self.sliding:
+            return additive(visible)
+        b, n, width = visible.shape
+        keys = torch.cat([torch.arange(width - n, device=self.device).expand(b, -1), position_ids], dim=1)
+        near = position_ids[:, :, None] - keys[:, None, :] < self.window  # [B, n, S + n]
+        if self.layer_kinds is None:  # every layer slides (Mistral): the model takes one mask
+            return additive(visible & near)
+        return {"full_attention": additive(visible), "sliding_attention": additive(visible & near)}
 
     @torch.inference_mode()
     def move_slots(self, cache, source: torch.Tensor, dest: torch.Tensor, width: int) -> None:
@@ -285,6 +321,24 @@ class TargetAdapter:
             elif getattr(layer, "keys", None) is not None and layer.keys.numel():
                 index = batch_rows.to(layer.keys.device)
                 layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
+
+
+def _attention_layout(config) -> tuple[tuple[str, ...] | None, int | None]:
+    """(the layer kinds when the model names them per layer, else None; the sliding window or None) of a target
+    config, refusing layer kinds a tree cannot be verified on yet with what they are and why."""
+    kinds = tuple(getattr(config, "layer_types", None) or ())
+    unknown = sorted(set(kinds) - set(LAYER_KINDS))
+    if unknown:
+        raise IncompatibleModelError(
+            f"target layers of kind {', '.join(unknown)} are not supported: tree verification here covers "
+            f"{' and '.join(LAYER_KINDS)} layers (a recurrent linear-attention layer has no per-token KV, so each "
+            "tree node would need its own recurrent state)")
+    window = getattr(config, "sliding_window", None)
+    if kinds:
+        return kinds, (int(window) if "sliding_attention" in kinds else None)
+    if getattr(config, "use_sliding_window", True) is False:  # Qwen2-style switch: the window is off
+        return None, None
+    return None, (int(window) if window else None)
 
 
 def check_mask_backend(target: nn.Module, batch: int = 1, chains_only: bool = False) -> bool:
@@ -322,12 +376,21 @@ def check_compatibility(target: nn.Module, draft) -> str:
         f"vocab {int(target.lm_head.weight.shape[0])}, {str(t_dtype).removeprefix('torch.')}, attention {backend}",
         f"drafter: {cfg.num_hidden_layers} layers, block {cfg.block_size}, taps {list(cfg.target_layer_ids)}, "
         f"draft vocabulary {cfg.draft_vocab_size or 'full'}, {str(d_dtype).removeprefix('torch.')}",
-        f"compatible: yes; trees: {'yes' if trees else 'no (chains only: the backend ignores 4D masks)'}",
+        f"compatible: yes; trees: {'yes' if trees else 'no (chains only: the backend ignores 4D masks)'}"
+        + _layout_note(t_cfg),
     ]
     if d_dtype != t_dtype:
         lines.append(f"warning: drafter dtype {d_dtype} differs from the target's {t_dtype}; "
                      f"draft.to({t_dtype}) matches them")
     return "\n".join(lines)
+
+
+def _layout_note(config) -> str:
+    kinds, window = _attention_layout(config)
+    if window is None:
+        return "; attention: full in every layer"
+    sliding = "every layer" if kinds is None else f"{kinds.count('sliding_attention')} of {len(kinds)} layers"
+    return f"; attention: sliding window {window} in {sliding} (verified with a per-kind tree mask)"
 
 
 def _check_shapes(target: nn.Module, draft) -> None:

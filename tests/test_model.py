@@ -159,11 +159,17 @@ def test_unsupported_targets_are_refused():
     gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32))
     with pytest.raises(IncompatibleModelError, match="not supported"):
         TargetAdapter(gpt2)
-    sliding = Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                          num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True, sliding_window=8,
-                          max_window_layers=0)
-    with pytest.raises(IncompatibleModelError, match="sliding-window"):
-        TargetAdapter(AutoModelForCausalLM.from_config(sliding))
+    small = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1)
+    TargetAdapter(AutoModelForCausalLM.from_config(Qwen3Config(**small, use_sliding_window=True, sliding_window=8,
+                                                               max_window_layers=0)))  # sliding windows are served
+    hybrid = AutoModelForCausalLM.from_config(Qwen3Config(**small))
+    hybrid.config.layer_types = ["linear_attention", "full_attention"]
+    with pytest.raises(IncompatibleModelError, match="linear_attention are not supported"):
+        TargetAdapter(hybrid)
+    hybrid.config.model_type = "qwen3_next"
+    with pytest.raises(IncompatibleModelError, match="not supported yet: its Gated DeltaNet"):
+        TargetAdapter(hybrid)
 
 
 def test_adapter_causal_mask_reproduces_plain_forward():

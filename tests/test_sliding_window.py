@@ -1,0 +1,163 @@
+"""Targets with sliding-window layers (Qwen3 with use_sliding_window, Mistral, Gemma 3, gpt-oss with its attention
+sinks), tiny random configurations from transformers' own config classes, generated well past the window.
+
+Oracles: every node's logits from one tree forward equal a forward over its root path alone; greedy DDTree (chain,
+budgets 8 and 64, an oracle tree whose deep paths are accepted, lookup branches, ``auto``) equals plain decoding and
+the independent cache-free reference; mixed-length batches equal their solo runs; at T = 1 the loop's first tokens
+pass a chi-square test against the exact joint. A window one position wider in the tree mask is caught.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import dflash_core.target as target_module
+from conftest import answer_counts, forward_one, make_draft, prompt, sampled_answers
+from ddtree import build_tree, ddtree_generate
+from dflash_core import autoregressive_generate, check_compatibility, speculative_generate
+from dflash_core.decoding import LiveModels
+from dflash_core.target import IncompatibleModelError, TargetAdapter
+from greedy_reference import exact_joint, greedy_reference
+from test_ddtree_generate import OracleTree, PeakedTree, _root_path
+from test_decoding import chi_square_p
+from test_sampling_temperature import FixedSampled
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+FAMILIES = ("qwen3", "mistral", "gemma3", "gpt_oss")
+WINDOW = 4
+
+
+def sliding_target(family: str, vocab: int = 48, window: int = WINDOW, dtype: torch.dtype = torch.float64,
+                   layers: int = 4, seed: int = 0):
+    """A tiny random target of ``family`` whose sliding layers see ``window`` positions. gpt-oss (eager attention
+    with sinks, mixture of experts) runs in fp32: its grouped expert matmul has no fp64 kernel."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, GptOssConfig, MistralConfig, Qwen3Config
+
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                  initializer_range=0.2, tie_word_embeddings=False, sliding_window=window)
+    if family == "qwen3":  # layer 0 full, the rest sliding
+        config = Qwen3Config(**common, use_sliding_window=True, max_window_layers=1)
+    elif family == "mistral":  # every layer sliding, no per-layer kinds
+        config = MistralConfig(**common)
+    elif family == "gemma3":  # alternating, with a final logit soft-cap the adapter must apply
+        config = Gemma3TextConfig(**common, sliding_window_pattern=2, final_logit_softcapping=5.0)
+    elif family == "gpt_oss":  # alternating, attention sinks, 4 experts
+        config = GptOssConfig(**{**common, "intermediate_size": 32}, num_local_experts=4, num_experts_per_tok=2)
+        dtype = torch.float32
+    else:
+        raise ValueError(family)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).to(dtype).eval()
+
+
+def test_each_family_reports_its_layout_and_what_is_refused_says_why():
+    reports = {f: check_compatibility(t, make_draft(t)) for f in FAMILIES for t in [sliding_target(f)]}
+    assert "sliding window 4 in 3 of 4 layers" in reports["qwen3"]
+    assert "sliding window 4 in every layer" in reports["mistral"]
+    assert "sliding window 4 in 2 of 4 layers" in reports["gemma3"] and "2 of 4" in reports["gpt_oss"]
+    hybrid = sliding_target("qwen3")
+    hybrid.config.layer_types = ["full_attention", "linear_attention", "linear_attention", "full_attention"]
+    with pytest.raises(IncompatibleModelError, match="linear_attention are not supported.*recurrent"):
+        TargetAdapter(hybrid)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_node_of_a_tree_sees_what_its_path_alone_sees(family):
+    """One tree forward on a context longer than the window: each node's logits and features equal a forward over
+    its root path alone (the model's own causal and sliding masks)."""
+    target = sliding_target(family)
+    adapter = TargetAdapter(target, (0, 2))
+    p = prompt(3, 11, 48)
+    models = LiveModels.prefilled(adapter, None, [p])[0]
+    tree = build_tree(torch.randn(8, 48, generator=torch.Generator().manual_seed(3)) * 8, 24)
+    assert tree.max_depth > WINDOW  # deep nodes reach past the window through their ancestors alone
+    base = copy.deepcopy(models.cache)
+    logits, features = models.verify([0], [tree], [7])[0], models._features[0]
+    tol = dict(atol=2e-4, rtol=1e-4)
+    for node in [-1] + list(range(len(tree))):
+        path = _root_path(tree, node) if node >= 0 else []
+        seq = torch.tensor([7] + [int(tree.token_ids[i]) for i in path])
+        ref_logits, ref_features = forward_one(adapter, seq, p.shape[1] + torch.arange(len(seq)), copy.deepcopy(base))
+        torch.testing.assert_close(logits[node + 1], ref_logits[-1], **tol)
+        torch.testing.assert_close(features[node + 1], ref_features[-1], **tol)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_trees_equal_plain_decoding_and_the_reference_past_the_window(family):
+    target = sliding_target(family, window=2)
+    draft = make_draft(target, block_size=6, dtype=next(target.parameters()).dtype)
+    accepted = []
+    for seed in range(2):
+        p = prompt(10 + seed, 9, 48)
+        ref = greedy_reference(target, p, 24)
+        assert autoregressive_generate(target, p, 24).new_token_ids == ref
+        for kwargs in (dict(budget="chain"), dict(budget=8), dict(budget=64), dict(budget=16, lookup=True),
+                       dict(budget="auto")):
+            assert ddtree_generate(target, draft, p, max_new_tokens=24, **kwargs).new_token_ids == ref, kwargs
+        oracle = ddtree_generate(target, draft, p, max_new_tokens=24, policy=OracleTree(ref, 9, 32, seed))
+        assert oracle.new_token_ids == ref
+        accepted += oracle.acceptance_lengths
+    assert max(accepted) > 2  # a round accepted a path longer than the window
+
+
+def test_a_mixed_length_batch_equals_its_solo_runs():
+    target = sliding_target("gemma3")
+    draft = make_draft(target, block_size=6)
+    prompts = [prompt(20 + i, n, 48) for i, n in enumerate((3, 9, 14))]
+    batch = ddtree_generate(target, draft, prompts, budget=16, max_new_tokens=20)
+    assert [r.new_token_ids for r in batch] == [greedy_reference(target, p, 20) for p in prompts]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_window_one_position_too_wide_is_caught(family, monkeypatch):
+    target = sliding_target(family)
+    draft = make_draft(target, block_size=6, dtype=next(target.parameters()).dtype)
+    masks = TargetAdapter.masks
+
+    def wider(self, visible, positions):
+        self.window += 1
+        try:
+            return masks(self, visible, positions)
+        finally:
+            self.window -= 1
+
+    monkeypatch.setattr(target_module.TargetAdapter, "masks", wider)
+    wrong = 0
+    for seed in range(3):
+        p = prompt(10 + seed, 9, 48)
+        ref = greedy_reference(target, p, 24)
+        wrong += ddtree_generate(target, draft, p, max_new_tokens=24,
+                                 policy=OracleTree(ref, 9, 32, seed)).new_token_ids != ref
+    assert wrong
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sampling_through_trees_matches_the_target_past_the_window(family):
+    """T = 1, a 6-token vocabulary and a window of 2, so the first three tokens after a 3-token prompt are sampled
+    under sliding masks: top-K and sampled trees against the exact joint of plain sampling."""
+    target = sliding_target(family, vocab=6, window=2, layers=2, dtype=torch.float32)
+    draft = make_draft(target, block_size=4, dtype=torch.float32)
+    p = prompt(1, 3, 6)
+    joint = exact_joint(target, p, 3, 1.0)
+    for make in (lambda seed: PeakedTree(), lambda seed: FixedSampled(6, 1.0, seed=seed)):
+        counts = answer_counts(sampled_answers(lambda seeds: speculative_generate(
+            target, draft, [p] * len(seeds), [make(seed) for seed in seeds], max_new_tokens=3, temperature=1.0,
+            seed=seeds[0]), 300))
+        assert chi_square_p(counts, joint, 300) > 1e-3
+
+
+def test_the_adapters_logits_are_the_models_own_with_gemmas_final_soft_cap():
+    target = sliding_target("gemma3")
+    target.config.final_logit_softcapping = 0.5  # small enough to change every logit
+    adapter, ids = TargetAdapter(target), prompt(2, 12, 48)
+    with torch.no_grad():
+        own = target(input_ids=ids, use_cache=False).logits[0].float()
+        hidden = target.model(input_ids=ids, use_cache=False).last_hidden_state[0]
+    assert not torch.allclose(target.lm_head(hidden).float(), own, atol=1e-3)  # the cap matters here
+    models = LiveModels.prefilled(adapter, None, [ids[:, :-1]])[0]
+    logits = models.verify([0], [build_tree(torch.zeros(1, 48), 0)], [int(ids[0, -1])])[0]
+    torch.testing.assert_close(logits[0], own[-1], atol=1e-6, rtol=1e-6)
