@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 from torch import nn
@@ -28,8 +29,8 @@ _RECURRENT = ("its Gated DeltaNet linear-attention layers keep a recurrent state
               "so a tree needs each node's own state (not implemented)")
 _MLA = "multi-head latent attention is not wired to the tree mask and cache compaction (not implemented)"
 # families DFlash drafters serve that tree verification here does not cover yet, with the reason
-NOT_YET = {"qwen3_next": _RECURRENT, "qwen3_5": _RECURRENT, "qwen3_5_moe": _RECURRENT, "qwen3_5_text": _RECURRENT,
-           "deepseek_v3": _MLA, "kimi_k25": _MLA, "kimi_k2": _MLA}
+NOT_YET = MappingProxyType({"qwen3_next": _RECURRENT, "qwen3_5": _RECURRENT, "qwen3_5_moe": _RECURRENT,
+                            "qwen3_5_text": _RECURRENT, "deepseek_v3": _MLA, "kimi_k25": _MLA, "kimi_k2": _MLA})
 # attention layer kinds a tree can be verified on: full attention sees the whole ancestry, a sliding layer the
 # ancestors and committed tokens within its window (both from one 4D mask per kind)
 LAYER_KINDS = ("full_attention", "sliding_attention")
