@@ -24,13 +24,14 @@ __all__ = ["TargetAdapter", "TargetOutput", "TappedOutput", "tapped_forward", "I
            "SUPPORTED_MODEL_TYPES", "NOT_YET", "LAYER_KINDS", "TREE_MASK_BACKENDS", "check_compatibility",
            "check_mask_backend"]
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral", "qwen3_moe", "gemma3_text", "gpt_oss")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral", "qwen3_moe", "gemma3_text", "gpt_oss", "deepseek_v3")
 _RECURRENT = ("its Gated DeltaNet linear-attention layers keep a recurrent state instead of per-token keys and values, "
               "so a tree needs each node's own state (not implemented)")
-_MLA = "multi-head latent attention is not wired to the tree mask and cache compaction (not implemented)"
+_VLM = ("the checkpoint is a vision-language model whose causal LM is not loaded as one here; its language model is "
+        "DeepSeek-V3-shaped (model_type deepseek_v3, multi-head latent attention), which is supported")
 # families DFlash drafters serve that tree verification here does not cover yet, with the reason
 NOT_YET = MappingProxyType({"qwen3_next": _RECURRENT, "qwen3_5": _RECURRENT, "qwen3_5_moe": _RECURRENT,
-                            "qwen3_5_text": _RECURRENT, "deepseek_v3": _MLA, "kimi_k25": _MLA, "kimi_k2": _MLA})
+                            "qwen3_5_text": _RECURRENT, "kimi_k25": _VLM})
 # attention layer kinds a tree can be verified on: full attention sees the whole ancestry, a sliding layer the
 # ancestors and committed tokens within its window (both from one 4D mask per kind)
 LAYER_KINDS = ("full_attention", "sliding_attention")

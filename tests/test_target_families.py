@@ -1,10 +1,12 @@
-"""Targets with sliding-window layers (Qwen3 with use_sliding_window, Mistral, Gemma 3, gpt-oss with its attention
-sinks), tiny random configurations from transformers' own config classes, generated well past the window.
+"""Target families beyond dense full attention: sliding-window layers (Qwen3 with use_sliding_window, Mistral, Gemma 3,
+gpt-oss with its attention sinks) and multi-head latent attention (DeepSeek-V3), tiny random configurations from
+transformers' own config classes, generated well past the window.
 
 Oracles: every node's logits from one tree forward equal a forward over its root path alone; greedy DDTree (chain,
 budgets 8 and 64, an oracle tree whose deep paths are accepted, lookup branches, ``auto``) equals plain decoding and
 the independent cache-free reference; mixed-length batches equal their solo runs; at T = 1 the loop's first tokens
-pass a chi-square test against the exact joint. A window one position wider in the tree mask is caught.
+pass a chi-square test against the exact joint. Broken masks are caught: a window one position wider, a node that
+also sees the node before it.
 """
 
 from __future__ import annotations
@@ -26,15 +28,19 @@ from test_decoding import chi_square_p
 from test_sampling_temperature import FixedSampled
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-FAMILIES = ("qwen3", "mistral", "gemma3", "gpt_oss")
+SLIDING = ("qwen3", "mistral", "gemma3", "gpt_oss")
+FAMILIES = SLIDING + ("deepseek_v3",)
 WINDOW = 4
 
 
 def sliding_target(family: str, vocab: int = 48, window: int = WINDOW, dtype: torch.dtype = torch.float64,
                    layers: int = 4, seed: int = 0):
-    """A tiny random target of ``family`` whose sliding layers see ``window`` positions. gpt-oss (eager attention
-    with sinks, mixture of experts) runs in fp32: its grouped expert matmul has no fp64 kernel."""
-    from transformers import AutoModelForCausalLM, Gemma3TextConfig, GptOssConfig, MistralConfig, Qwen3Config
+    """A tiny random target of ``family`` whose sliding layers see ``window`` positions. The mixtures of experts
+    (gpt-oss: eager attention with sinks; DeepSeek-V3: MLA) run in fp32: their grouped expert matmul has no fp64
+    kernel."""
+    from transformers import (
+        AutoModelForCausalLM, DeepseekV3Config, Gemma3TextConfig, GptOssConfig, MistralConfig, Qwen3Config,
+    )
 
     common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
@@ -48,6 +54,12 @@ def sliding_target(family: str, vocab: int = 48, window: int = WINDOW, dtype: to
     elif family == "gpt_oss":  # alternating, attention sinks, 4 experts
         config = GptOssConfig(**{**common, "intermediate_size": 32}, num_local_experts=4, num_experts_per_tok=2)
         dtype = torch.float32
+    elif family == "deepseek_v3":  # MLA: low-rank queries and keys/values, a shared rope part, 4 routed experts
+        del common["sliding_window"], common["head_dim"]
+        config = DeepseekV3Config(**{**common, "num_key_value_heads": 4}, moe_intermediate_size=16, n_routed_experts=4,
+                                  num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                                  q_lora_rank=16, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8)
+        dtype = torch.float32
     else:
         raise ValueError(family)
     torch.manual_seed(seed)
@@ -59,6 +71,7 @@ def test_each_family_reports_its_layout_and_what_is_refused_says_why():
     assert "sliding window 4 in 3 of 4 layers" in reports["qwen3"]
     assert "sliding window 4 in every layer" in reports["mistral"]
     assert "sliding window 4 in 2 of 4 layers" in reports["gemma3"] and "2 of 4" in reports["gpt_oss"]
+    assert "full in every layer" in reports["deepseek_v3"]
     hybrid = sliding_target("qwen3")
     hybrid.config.layer_types = ["full_attention", "linear_attention", "linear_attention", "full_attention"]
     with pytest.raises(IncompatibleModelError, match="linear_attention are not supported.*recurrent"):
@@ -75,13 +88,17 @@ def test_every_node_of_a_tree_sees_what_its_path_alone_sees(family):
     models = LiveModels.prefilled(adapter, None, [p])[0]
     tree = build_tree(torch.randn(8, 48, generator=torch.Generator().manual_seed(3)) * 8, 24)
     assert tree.max_depth > WINDOW  # deep nodes reach past the window through their ancestors alone
+    check_nodes(adapter, models, tree, p.shape[1])
+
+
+def check_nodes(adapter, models, tree, start: int) -> None:
     base = copy.deepcopy(models.cache)
     logits, features = models.verify([0], [tree], [7])[0], models._features[0]
     tol = dict(atol=2e-4, rtol=1e-4)
     for node in [-1] + list(range(len(tree))):
         path = _root_path(tree, node) if node >= 0 else []
         seq = torch.tensor([7] + [int(tree.token_ids[i]) for i in path])
-        ref_logits, ref_features = forward_one(adapter, seq, p.shape[1] + torch.arange(len(seq)), copy.deepcopy(base))
+        ref_logits, ref_features = forward_one(adapter, seq, start + torch.arange(len(seq)), copy.deepcopy(base))
         torch.testing.assert_close(logits[node + 1], ref_logits[-1], **tol)
         torch.testing.assert_close(features[node + 1], ref_features[-1], **tol)
 
@@ -113,6 +130,26 @@ def test_a_mixed_length_batch_equals_its_solo_runs():
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_a_node_that_also_sees_the_node_before_it_is_caught(family, monkeypatch):
+    target = sliding_target(family)
+    adapter = TargetAdapter(target, (0, 2))
+    p = prompt(3, 11, 48)
+    models = LiveModels.prefilled(adapter, None, [p])[0]
+    tree = build_tree(torch.randn(8, 48, generator=torch.Generator().manual_seed(3)) * 8, 24)
+    masks = TargetAdapter.masks
+
+    def leaky(self, visible, positions):
+        n = visible.shape[1]
+        visible = visible.clone()
+        visible[:, torch.arange(1, n), visible.shape[2] - n + torch.arange(n - 1)] = True  # node i sees node i - 1
+        return masks(self, visible, positions)
+
+    monkeypatch.setattr(target_module.TargetAdapter, "masks", leaky)
+    with pytest.raises(AssertionError):
+        check_nodes(adapter, models, tree, p.shape[1])
+
+
+@pytest.mark.parametrize("family", SLIDING)
 def test_a_window_one_position_too_wide_is_caught(family, monkeypatch):
     target = sliding_target(family)
     draft = make_draft(target, block_size=6, dtype=next(target.parameters()).dtype)
