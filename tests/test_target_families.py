@@ -12,12 +12,14 @@ also sees the node before it.
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
 
 import dflash_core.target as target_module
 from conftest import answer_counts, forward_one, make_draft, prompt, sampled_answers
+from experiments.bench.models import FAMILY_TARGETS, family_target as sliding_target
 from ddtree import build_tree, ddtree_generate
 from dflash_core import autoregressive_generate, check_compatibility, speculative_generate
 from dflash_core.decoding import LiveModels
@@ -28,42 +30,10 @@ from test_decoding import chi_square_p
 from test_sampling_temperature import FixedSampled
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-SLIDING = ("qwen3", "mistral", "gemma3", "gpt_oss")
-FAMILIES = SLIDING + ("deepseek_v3",)
-WINDOW = 4
+FAMILIES = FAMILY_TARGETS
+SLIDING = tuple(f for f in FAMILIES if f != "deepseek_v3")
+WINDOW = 4  # family_target's default
 
-
-def sliding_target(family: str, vocab: int = 48, window: int = WINDOW, dtype: torch.dtype = torch.float64,
-                   layers: int = 4, seed: int = 0):
-    """A tiny random target of ``family`` whose sliding layers see ``window`` positions. The mixtures of experts
-    (gpt-oss: eager attention with sinks; DeepSeek-V3: MLA) run in fp32: their grouped expert matmul has no fp64
-    kernel."""
-    from transformers import (
-        AutoModelForCausalLM, DeepseekV3Config, Gemma3TextConfig, GptOssConfig, MistralConfig, Qwen3Config,
-    )
-
-    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
-                  initializer_range=0.2, tie_word_embeddings=False, sliding_window=window)
-    if family == "qwen3":  # layer 0 full, the rest sliding
-        config = Qwen3Config(**common, use_sliding_window=True, max_window_layers=1)
-    elif family == "mistral":  # every layer sliding, no per-layer kinds
-        config = MistralConfig(**common)
-    elif family == "gemma3":  # alternating, with a final logit soft-cap the adapter must apply
-        config = Gemma3TextConfig(**common, sliding_window_pattern=2, final_logit_softcapping=5.0)
-    elif family == "gpt_oss":  # alternating, attention sinks, 4 experts
-        config = GptOssConfig(**{**common, "intermediate_size": 32}, num_local_experts=4, num_experts_per_tok=2)
-        dtype = torch.float32
-    elif family == "deepseek_v3":  # MLA: low-rank queries and keys/values, a shared rope part, 4 routed experts
-        del common["sliding_window"], common["head_dim"]
-        config = DeepseekV3Config(**{**common, "num_key_value_heads": 4}, moe_intermediate_size=16, n_routed_experts=4,
-                                  num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
-                                  q_lora_rank=16, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8)
-        dtype = torch.float32
-    else:
-        raise ValueError(family)
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config).to(dtype).eval()
 
 
 def test_each_family_reports_its_layout_and_what_is_refused_says_why():
@@ -198,3 +168,16 @@ def test_the_adapters_logits_are_the_models_own_with_gemmas_final_soft_cap():
     models = LiveModels.prefilled(adapter, None, [ids[:, :-1]])[0]
     logits = models.verify([0], [build_tree(torch.zeros(1, 48), 0)], [int(ids[0, -1])])[0]
     torch.testing.assert_close(logits[0], own[-1], atol=1e-6, rtol=1e-6)
+
+
+def test_the_family_cost_study_runs_and_writes_its_rows(tmp_path):
+    from experiments.studies.target_families import main
+
+    out = tmp_path / "families.json"
+    main(["--families", "mistral,deepseek_v3", "--context", "32", "--repeats", "1", "--prompts", "1",
+          "--out", str(out)])
+    rows = json.loads(out.read_text())
+    assert [r["family"] for r in rows] == ["mistral", "deepseek_v3"]
+    assert all(r["greedy_equal"] == {"16": "1/1", "64": "1/1"} and r["verify_64_ms"] > 0 for r in rows)
+    with pytest.raises(SystemExit, match="unknown family"):
+        main(["--families", "qwen3_next"])

@@ -30,6 +30,7 @@ import torch
 from experiments.bench.presets import ModelPair
 
 __all__ = ["ByteTokenizer", "Models", "WeightSource", "InsufficientDiskError", "KNOWN_SHAPES", "tiny_target",
+           "FAMILY_TARGETS", "family_target",
            "random_draft", "resolve_dtype", "parameter_count", "dtype_bytes",
            "hub_cache_dir", "hub_offline", "locate_weights", "check_weights", "chat_settings", "load_models"]
 
@@ -89,6 +90,44 @@ def tiny_target(vocab: int = ByteTokenizer.vocab_size, layers: int = 4, hidden: 
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config).eval()
+
+
+# tiny random targets of the families beyond dense full attention (tests and experiments.studies.target_families)
+FAMILY_TARGETS = ("qwen3", "mistral", "gemma3", "gpt_oss", "deepseek_v3")
+
+
+def family_target(family: str, vocab: int = 48, window: int = 4, dtype: torch.dtype = torch.float64,
+                   layers: int = 4, seed: int = 0):
+    """A tiny random target of ``family`` (one of :data:`FAMILY_TARGETS`) from transformers' own config class, whose
+    sliding layers (if any) see ``window`` positions. The mixtures of experts
+    (gpt-oss: eager attention with sinks; DeepSeek-V3: MLA) run in fp32: their grouped expert matmul has no fp64
+    kernel."""
+    from transformers import (
+        AutoModelForCausalLM, DeepseekV3Config, Gemma3TextConfig, GptOssConfig, MistralConfig, Qwen3Config,
+    )
+
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                  initializer_range=0.2, tie_word_embeddings=False, sliding_window=window)
+    if family == "qwen3":  # layer 0 full, the rest sliding
+        config = Qwen3Config(**common, use_sliding_window=True, max_window_layers=1)
+    elif family == "mistral":  # every layer sliding, no per-layer kinds
+        config = MistralConfig(**common)
+    elif family == "gemma3":  # alternating, with a final logit soft-cap the adapter must apply
+        config = Gemma3TextConfig(**common, sliding_window_pattern=2, final_logit_softcapping=5.0)
+    elif family == "gpt_oss":  # alternating, attention sinks, 4 experts
+        config = GptOssConfig(**{**common, "intermediate_size": 32}, num_local_experts=4, num_experts_per_tok=2)
+        dtype = torch.float32
+    elif family == "deepseek_v3":  # MLA: low-rank queries and keys/values, a shared rope part, 4 routed experts
+        del common["sliding_window"], common["head_dim"]
+        config = DeepseekV3Config(**{**common, "num_key_value_heads": 4}, moe_intermediate_size=16, n_routed_experts=4,
+                                  num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                                  q_lora_rank=16, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8)
+        dtype = torch.float32
+    else:
+        raise ValueError(family)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).to(dtype).eval()
 
 
 def random_draft(target, layers: int = 1, taps: int = 5, block_size: int = 16, mask_token_id: int | None = None,
