@@ -126,13 +126,14 @@ class Rows:
 
 
 def _row(form: str, temperature: float, label: dict, method: str, budget, lengths: Sequence[int],
-         sizes: Sequence[int], seconds: float, ar_seconds: float, tokens: int, same_as_ar=None) -> dict:
+         sizes: Sequence[int], seconds: float, ar_seconds: float, tokens: int, same_as_ar=None,
+         max_new_tokens: int | None = None) -> dict:
     rounds = max(1, len(lengths))
     return {"form": form, "temperature": temperature, "dataset": label["dataset"], "sample_id": label["sample_id"],
             "method": method, "budget": budget, "tau": sum(lengths) / rounds, "committed": int(sum(lengths)),
             "rounds": len(lengths), "nodes": int(sum(sizes)), "tokens": int(tokens), "seconds": float(seconds),
             "ar_seconds": float(ar_seconds), "speedup": ar_seconds / seconds if seconds > 0 else None,
-            "same_as_ar": same_as_ar}
+            "same_as_ar": same_as_ar, "max_new_tokens": max_new_tokens}
 
 
 # ------------------------------------------------------------------------------------------------ the steps
@@ -187,7 +188,7 @@ def replay_prompt(target, draft, cost, ids, out, label, temperature, budgets, ta
         r = replay(target, draft, policy, full, len(ids), max_new_tokens, stops, hidden)
         seconds = round_seconds(cost, r.tree_sizes, drafted=True)
         got.append(_row("replay", temperature, label, method, budget, r.acceptance_lengths, r.tree_sizes, seconds,
-                        ar_seconds, sum(r.acceptance_lengths)))
+                        ar_seconds, sum(r.acceptance_lengths), max_new_tokens=max_new_tokens))
     rows.add(got)
 
 
@@ -212,7 +213,7 @@ def live_prompt(target, draft, ids, label, temperature, methods, max_new_tokens,
         steps = max(1, len(r.new_token_ids) - 1)  # tokens after the prefill's, as plain decoding's steps
         same = r.new_token_ids == plain.new_token_ids if temperature == 0 else None
         rows.add([_row("live", temperature, label, method, budget, r.acceptance_lengths, r.tree_sizes,
-                       r.timings["decode"], ar_per_token * steps, len(r.new_token_ids), same)])
+                       r.timings["decode"], ar_per_token * steps, len(r.new_token_ids), same, max_new_tokens)])
 
 
 # ------------------------------------------------------------------------------------------------ the summary
