@@ -181,3 +181,14 @@ def test_the_family_cost_study_runs_and_writes_its_rows(tmp_path):
     assert all(r["greedy_equal"] == {"16": "1/1", "64": "1/1"} and r["verify_64_ms"] > 0 for r in rows)
     with pytest.raises(SystemExit, match="unknown family"):
         main(["--families", "qwen3_next"])
+
+
+def test_a_random_drafter_for_gemma_takes_the_full_attention_layers_rotary():
+    from dflash_core.config import target_rope
+    from experiments.bench.models import random_draft
+
+    target = sliding_target("gemma3", dtype=torch.float32)
+    kinds = target.config.rope_parameters
+    assert kinds["full_attention"]["rope_theta"] != kinds["sliding_attention"]["rope_theta"]
+    assert target_rope(target.config)[0] == kinds["full_attention"]["rope_theta"]
+    assert random_draft(target, taps=2).config.rope_theta == kinds["full_attention"]["rope_theta"]
