@@ -380,13 +380,8 @@ class LiveModels:
         earlier slots, but its logits are never read and every later mask hides it. Returns (the models holding the
         prompts, the logits after each prompt [B, V])."""
         lengths = [int(p.shape[1]) for p in prompts]
-        width = max(lengths)
-        ids = torch.zeros(len(prompts), width, dtype=torch.long)
-        for b, p in enumerate(prompts):
-            ids[b, : lengths[b]] = p[0].cpu()
-        rows = torch.tensor([b * width + n - 1 for b, n in enumerate(lengths)])
         cache = adapter.new_cache()
-        out = adapter.forward(ids, torch.arange(width).expand(len(prompts), -1), cache, None, rows, with_features)
+        out = adapter.prefill(prompts, cache, with_features)
         features = [None if out.features is None else out.features[b, :n] for b, n in enumerate(lengths)]
         return cls(adapter, draft, cache, lengths, features, block_size, with_features, masks, readers), out.logits
 

@@ -11,6 +11,7 @@ line.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,21 +21,22 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicLayer
 
+from .recurrent import RECURRENT_KIND, RecurrentLayer, recurrent_modules, run_by_depth, tree_levels
+
 __all__ = ["TargetAdapter", "TargetOutput", "TappedOutput", "tapped_forward", "IncompatibleModelError",
            "SUPPORTED_MODEL_TYPES", "NOT_YET", "LAYER_KINDS", "TREE_MASK_BACKENDS", "check_compatibility",
            "check_mask_backend"]
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral", "qwen3_moe", "gemma3_text", "gpt_oss", "deepseek_v3")
-_RECURRENT = ("its Gated DeltaNet linear-attention layers keep a recurrent state instead of per-token keys and values, "
-              "so a tree needs each node's own state (not implemented)")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral", "qwen3_moe", "gemma3_text", "gpt_oss", "deepseek_v3",
+                         "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 _VLM = ("the checkpoint is a vision-language model whose causal LM is not loaded as one here; its language model is "
         "DeepSeek-V3-shaped (model_type deepseek_v3, multi-head latent attention), which is supported")
 # families DFlash drafters serve that tree verification here does not cover yet, with the reason
-NOT_YET = MappingProxyType({"qwen3_next": _RECURRENT, "qwen3_5": _RECURRENT, "qwen3_5_moe": _RECURRENT,
-                            "qwen3_5_text": _RECURRENT, "kimi_k25": _VLM})
-# attention layer kinds a tree can be verified on: full attention sees the whole ancestry, a sliding layer the
-# ancestors and committed tokens within its window (both from one 4D mask per kind)
-LAYER_KINDS = ("full_attention", "sliding_attention")
+NOT_YET = MappingProxyType({"kimi_k25": _VLM})
+# layer kinds a tree can be verified on: full attention sees the whole ancestry, a sliding layer the ancestors and
+# committed tokens within its window (both from one 4D mask per kind); a linear-attention (Gated DeltaNet) layer runs
+# depth by depth, each node from its parent's recurrent state (dflash_core.recurrent)
+LAYER_KINDS = ("full_attention", "sliding_attention", RECURRENT_KIND)
 # attention backends that apply a custom 4D mask as given; flash-attention kernels read a mask as 2D padding only
 TREE_MASK_BACKENDS = ("sdpa", "eager", "flex_attention")
 
@@ -143,6 +145,13 @@ class TargetAdapter:
                 f"{type(model).__name__} has no .model.embed_tokens / .lm_head: pass an AutoModelForCausalLM, not a base model"
             )
         self.layer_kinds, self.window = _attention_layout(config)
+        # the Gated DeltaNet mixers of a hybrid target (Qwen3-Next, Qwen3.5), run depth by depth in a tree forward
+        self.recurrent = recurrent_modules(model) if RECURRENT_KIND in (self.layer_kinds or ()) else []
+        if len(self.recurrent) != (self.layer_kinds or ()).count(RECURRENT_KIND):
+            raise IncompatibleModelError(
+                f"{type(model).__name__} names {self.layer_kinds.count(RECURRENT_KIND)} linear_attention layers in "
+                f"config.layer_types but has {len(self.recurrent)} Gated DeltaNet mixers (layer.linear_attn): tree "
+                "verification drives Qwen3-Next / Qwen3.5 style hybrids; load the model with its own class")
         self.model = model
         self.config = config
         self.num_layers = int(config.num_hidden_layers)
@@ -225,11 +234,16 @@ class TargetAdapter:
 
     # ------------------------------------------------------------------ cache
     def new_cache(self):
-        """An empty cache whose layers are written in place (:class:`SlotLayer`)."""
+        """An empty cache whose attention layers are written in place (:class:`SlotLayer`); a hybrid target's
+        linear-attention layers hold recurrent states (:class:`~dflash_core.recurrent.RecurrentLayer`)."""
         from transformers import DynamicCache
 
         cache = DynamicCache()
-        cache.layer_class_to_replicate = SlotLayer  # each layer is created on its first update
+        if self.recurrent:
+            cache.layer_class_to_replicate = None
+            cache.layers = [RecurrentLayer() if kind == RECURRENT_KIND else SlotLayer() for kind in self.layer_kinds]
+        else:
+            cache.layer_class_to_replicate = SlotLayer  # each layer is created on its first update
         return cache
 
     @staticmethod
@@ -244,7 +258,9 @@ class TargetAdapter:
     def crop(self, cache, length: int) -> None:
         """Keep the first ``length`` positions of every layer."""
         for layer in self._layers(cache):
-            if isinstance(layer, SlotLayer) and getattr(layer, "_keys", None) is not None:
+            if isinstance(layer, RecurrentLayer):
+                layer.rewind(length)
+            elif isinstance(layer, SlotLayer) and getattr(layer, "_keys", None) is not None:
                 layer.keep(min(length, layer.keys.shape[-2]))
             elif getattr(layer, "keys", None) is not None and layer.keys.numel():
                 layer.keys = layer.keys[..., :length, :]
@@ -271,13 +287,57 @@ class TargetAdapter:
         head. ``visible=None`` runs the model's own causal mask: exact when every row continues its whole cache."""
         b, n = token_ids.shape
         mask = None if visible is None else self.masks(visible.to(self.device), position_ids.to(self.device))
-        out = tapped_forward(self.model, token_ids.to(self.device), self.layer_ids if with_features else (),
-                             head=False, position_ids=position_ids.to(self.device), attention_mask=mask,
-                             use_cache=True, **{self._cache_kw: cache})
+        with self._by_depth(cache, visible, b, n):
+            out = tapped_forward(self.model, token_ids.to(self.device), self.layer_ids if with_features else (),
+                                 head=False, position_ids=position_ids.to(self.device), attention_mask=mask,
+                                 use_cache=True, **{self._cache_kw: cache})
         hidden = out.last_hidden.reshape(b * n, -1)
         if rows is not None:
             hidden = hidden.index_select(0, rows.to(hidden.device))
         return TargetOutput(logits=self.head(hidden.to(self.device)), features=out.features)
+
+    def _by_depth(self, cache, visible: torch.Tensor | None, b: int, n: int):
+        """The context a forward runs in: for a hybrid target past its prefill, its linear-attention layers go
+        depth by depth over the rows' tree (``visible``'s new part; None: chains); otherwise nothing changes."""
+        layers = [layer for layer in self._layers(cache) if isinstance(layer, RecurrentLayer)]
+        if not layers or not layers[0].started:
+            if visible is not None and layers:
+                raise ValueError("a hybrid target's first forward is its prefill: run it with visible=None")
+            return contextlib.nullcontext()
+        slots = max((layer.keys.shape[-2] for layer in self._layers(cache)
+                     if isinstance(layer, SlotLayer) and layer.is_initialized), default=0)
+        levels = tree_levels(None if visible is None else visible[:, :, -n:], b, n)
+        return run_by_depth(self.recurrent, layers, levels, slots)
+
+    @torch.inference_mode()
+    def prefill(self, prompts: list[torch.Tensor], cache, with_features: bool = True) -> TargetOutput:
+        """Prompts ([1, T_b] each) into an empty cache, right-padded in one forward under the model's own causal
+        mask (a padding slot is hidden by every later mask): the logits after each prompt [B, V] and the features
+        [B, max T_b, F]. A hybrid target's recurrent layers would carry the padding into a shorter prompt's state,
+        so there the common length goes first and each prompt's rest follows as a chain (one token per step in the
+        linear layers), after which each sequence commits the state after its own last token."""
+        lengths = [int(p.shape[1]) for p in prompts]
+        width, batch = max(lengths), len(prompts)
+        ids = torch.zeros(batch, width, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, : lengths[b]] = p[0].cpu()
+        split = min(lengths) if self.recurrent else width
+        parts = [(0, split)] + ([(split, width)] if split < width else [])
+        logits, features = [None] * batch, []
+        for start, end in parts:
+            ends = [b for b in range(batch) if start < lengths[b] <= end]
+            rows = torch.tensor([b * (end - start) + lengths[b] - 1 - start for b in ends])
+            out = self.forward(ids[:, start:end], torch.arange(start, end).expand(batch, -1), cache, None, rows,
+                               with_features)
+            for b, row in zip(ends, out.logits):
+                logits[b] = row
+            features.append(out.features)
+        for layer in self._layers(cache):
+            if isinstance(layer, RecurrentLayer):
+                if split < width:
+                    layer.commit([n - 1 - split if n > split else -1 for n in lengths], lengths)
+                layer.lengths, layer.before = list(lengths), None
+        return TargetOutput(torch.stack(logits), None if features[0] is None else torch.cat(features, dim=1))
 
     def masks(self, visible: torch.Tensor, position_ids: torch.Tensor):
         """The model's attention mask for ``visible`` [B, n, S + n] (cache slots, then the new tokens): one additive
@@ -289,8 +349,15 @@ class TargetAdapter:
             mask = torch.zeros(allowed.shape[:1] + (1,) + allowed.shape[1:], dtype=self.dtype, device=self.device)
             return mask.masked_fill_(~allowed[:, None], torch.finfo(self.dtype).min)
 
+        if self.recurrent:  # the linear-attention layers read the tree from their depth order, not from a mask
+            masks = self._sliding_masks(visible, position_ids, additive) if self.sliding else \
+                {"full_attention": additive(visible)}
+            return {**masks, RECURRENT_KIND: None}
         if not self.sliding:
             return additive(visible)
+        return self._sliding_masks(visible, position_ids, additive)
+
+    def _sliding_masks(self, visible: torch.Tensor, position_ids: torch.Tensor, additive):
         b, n, width = visible.shape
         keys = torch.cat([torch.arange(width - n, device=self.device).expand(b, -1), position_ids], dim=1)
         near = position_ids[:, :, None] - keys[:, None, :] < self.window  # [B, n, S + n]
@@ -305,6 +372,9 @@ class TargetAdapter:
         read before any destination is written, so the two may overlap. Only the moved entries are copied."""
         rows = torch.arange(source.shape[0])[:, None].expand_as(source)
         for layer in self._layers(cache):  # advanced indexing: [B, K, heads, dim] (on the CPU much faster than scatter_)
+            if isinstance(layer, RecurrentLayer):  # the state after each sequence's last kept row of the tree forward
+                layer.commit((source[:, -1] - layer.base).tolist(), (dest[:, -1] + 1).tolist())
+                continue
             device = layer.keys.device
             b, src, dst = rows.to(device), source.to(device), dest.to(device)
             keys, values = layer.keys[b, :, src], layer.values[b, :, src]
@@ -318,7 +388,9 @@ class TargetAdapter:
     def select_sequences(self, cache, batch_rows: torch.Tensor) -> None:
         """Keep only the sequences ``batch_rows`` of a batch cache (finished sequences leave the batch)."""
         for layer in self._layers(cache):
-            if isinstance(layer, SlotLayer) and getattr(layer, "_keys", None) is not None:
+            if isinstance(layer, RecurrentLayer):
+                layer.select(batch_rows)
+            elif isinstance(layer, SlotLayer) and getattr(layer, "_keys", None) is not None:
                 layer.select(batch_rows.to(layer.keys.device))
             elif getattr(layer, "keys", None) is not None and layer.keys.numel():
                 index = batch_rows.to(layer.keys.device)
@@ -333,8 +405,8 @@ def _attention_layout(config) -> tuple[tuple[str, ...] | None, int | None]:
     if unknown:
         raise IncompatibleModelError(
             f"target layers of kind {', '.join(unknown)} are not supported: tree verification here covers "
-            f"{' and '.join(LAYER_KINDS)} layers (a recurrent linear-attention layer has no per-token KV, so each "
-            "tree node would need its own recurrent state)")
+            f"{', '.join(LAYER_KINDS)} layers (Gated DeltaNet for linear attention; another recurrent or "
+            "convolutional mixer would need its own per-node state)")
     window = getattr(config, "sliding_window", None)
     if kinds:
         return kinds, (int(window) if "sliding_attention" in kinds else None)
@@ -389,6 +461,9 @@ def check_compatibility(target: nn.Module, draft) -> str:
 
 def _layout_note(config) -> str:
     kinds, window = _attention_layout(config)
+    if kinds and RECURRENT_KIND in kinds:
+        return (f"; attention: full in {kinds.count('full_attention')} of {len(kinds)} layers, linear (Gated "
+                f"DeltaNet) in {kinds.count(RECURRENT_KIND)} (verified depth by depth from each node's parent state)")
     if window is None:
         return "; attention: full in every layer"
     sliding = "every layer" if kinds is None else f"{kinds.count('sliding_attention')} of {len(kinds)} layers"

@@ -1,12 +1,14 @@
 """Target families beyond dense full attention: sliding-window layers (Qwen3 with use_sliding_window, Mistral, Gemma 3,
-gpt-oss with its attention sinks) and multi-head latent attention (DeepSeek-V3), tiny random configurations from
+gpt-oss with its attention sinks), multi-head latent attention (DeepSeek-V3) and hybrid linear attention (Qwen3-Next
+with its experts, Qwen3.5: Gated DeltaNet layers and gated full attention), tiny random configurations from
 transformers' own config classes, generated well past the window.
 
-Oracles: every node's logits from one tree forward equal a forward over its root path alone; greedy DDTree (chain,
-budgets 8 and 64, an oracle tree whose deep paths are accepted, lookup branches, ``auto``) equals plain decoding and
-the independent cache-free reference; mixed-length batches equal their solo runs; at T = 1 the loop's first tokens
-pass a chi-square test against the exact joint. Broken masks are caught: a window one position wider, a node that
-also sees the node before it.
+Oracles: every node's logits from one tree forward equal a forward over its root path alone, on the cache and
+without one (the model's own full-sequence forward); greedy DDTree (chain, budgets 8 and 64, an oracle tree whose
+deep paths are accepted, lookup branches, ``auto``) equals plain decoding and the independent cache-free reference;
+mixed-length batches equal their solo runs; at T = 1 the loop's first tokens pass a chi-square test against the exact
+joint. Broken variants are caught: a window one position wider, a node that also sees the node before it, a
+recurrent layer run left to right over the flattened tree (a node reading its earlier siblings' state).
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ from test_sampling_temperature import FixedSampled
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 FAMILIES = FAMILY_TARGETS
-SLIDING = tuple(f for f in FAMILIES if f != "deepseek_v3")
+SLIDING = ("qwen3", "mistral", "gemma3", "gpt_oss")
+HYBRID = ("qwen3_next", "qwen3_5")
+assert set(SLIDING + HYBRID + ("deepseek_v3",)) == set(FAMILIES)
 WINDOW = 4  # family_target's default
 
 
@@ -42,26 +46,38 @@ def test_each_family_reports_its_layout_and_what_is_refused_says_why():
     assert "sliding window 4 in every layer" in reports["mistral"]
     assert "sliding window 4 in 2 of 4 layers" in reports["gemma3"] and "2 of 4" in reports["gpt_oss"]
     assert "full in every layer" in reports["deepseek_v3"]
-    hybrid = sliding_target("qwen3")
-    hybrid.config.layer_types = ["full_attention", "linear_attention", "linear_attention", "full_attention"]
-    with pytest.raises(IncompatibleModelError, match="linear_attention are not supported.*recurrent"):
-        TargetAdapter(hybrid)
+    for family in HYBRID:
+        assert "full in 1 of 4 layers, linear (Gated DeltaNet) in 3" in reports[family]
+    other = sliding_target("qwen3")
+    other.config.layer_types = ["full_attention", "conv", "conv", "full_attention"]  # an LFM2-style mixer
+    with pytest.raises(IncompatibleModelError, match="kind conv are not supported.*own per-node state"):
+        TargetAdapter(other)
+    other.config.layer_types = ["full_attention", "linear_attention", "linear_attention", "full_attention"]
+    with pytest.raises(IncompatibleModelError, match="2 linear_attention layers.*has 0 Gated DeltaNet"):
+        TargetAdapter(other)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_node_of_a_tree_sees_what_its_path_alone_sees(family):
     """One tree forward on a context longer than the window: each node's logits and features equal a forward over
     its root path alone (the model's own causal and sliding masks)."""
-    target = sliding_target(family)
-    adapter = TargetAdapter(target, (0, 2))
+    adapter, models, tree, p = deep_tree_case(family)
+    assert tree.max_depth > WINDOW  # deep nodes reach past the window through their ancestors alone
+    check_nodes(adapter, models, tree, p)
+
+
+def deep_tree_case(family: str):
+    """(adapter, models holding an 11-token prompt, a 24-node tree deeper than the window, the prompt)."""
+    adapter = TargetAdapter(sliding_target(family), (0, 2))
     p = prompt(3, 11, 48)
     models = LiveModels.prefilled(adapter, None, [p])[0]
-    tree = build_tree(torch.randn(8, 48, generator=torch.Generator().manual_seed(3)) * 8, 24)
-    assert tree.max_depth > WINDOW  # deep nodes reach past the window through their ancestors alone
-    check_nodes(adapter, models, tree, p.shape[1])
+    return adapter, models, build_tree(torch.randn(8, 48, generator=torch.Generator().manual_seed(3)) * 8, 24), p
 
 
-def check_nodes(adapter, models, tree, start: int) -> None:
+def check_nodes(adapter, models, tree, p: torch.Tensor) -> None:
+    """Each node's logits and features from one tree forward equal those of its root path run alone on the cache
+    (the adapter's own causal forward) and the model's own forward over the whole sequence without a cache."""
+    start = p.shape[1]
     base = copy.deepcopy(models.cache)
     logits, features = models.verify([0], [tree], [7])[0], models._features[0]
     tol = dict(atol=2e-4, rtol=1e-4)
@@ -71,6 +87,9 @@ def check_nodes(adapter, models, tree, start: int) -> None:
         ref_logits, ref_features = forward_one(adapter, seq, start + torch.arange(len(seq)), copy.deepcopy(base))
         torch.testing.assert_close(logits[node + 1], ref_logits[-1], **tol)
         torch.testing.assert_close(features[node + 1], ref_features[-1], **tol)
+        with torch.no_grad():
+            own = adapter.model(input_ids=torch.cat([p[0], seq])[None], use_cache=False).logits[0, -1]
+        torch.testing.assert_close(logits[node + 1], own.float(), **tol)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -91,8 +110,9 @@ def test_greedy_trees_equal_plain_decoding_and_the_reference_past_the_window(fam
     assert max(accepted) > 2  # a round accepted a path longer than the window
 
 
-def test_a_mixed_length_batch_equals_its_solo_runs():
-    target = sliding_target("gemma3")
+@pytest.mark.parametrize("family", ("gemma3",) + HYBRID)
+def test_a_mixed_length_batch_equals_its_solo_runs(family):
+    target = sliding_target(family)
     draft = make_draft(target, block_size=6)
     prompts = [prompt(20 + i, n, 48) for i, n in enumerate((3, 9, 14))]
     batch = ddtree_generate(target, draft, prompts, budget=16, max_new_tokens=20)
@@ -101,11 +121,7 @@ def test_a_mixed_length_batch_equals_its_solo_runs():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_node_that_also_sees_the_node_before_it_is_caught(family, monkeypatch):
-    target = sliding_target(family)
-    adapter = TargetAdapter(target, (0, 2))
-    p = prompt(3, 11, 48)
-    models = LiveModels.prefilled(adapter, None, [p])[0]
-    tree = build_tree(torch.randn(8, 48, generator=torch.Generator().manual_seed(3)) * 8, 24)
+    adapter, models, tree, p = deep_tree_case(family)
     masks = TargetAdapter.masks
 
     def leaky(self, visible, positions):
@@ -116,7 +132,49 @@ def test_a_node_that_also_sees_the_node_before_it_is_caught(family, monkeypatch)
 
     monkeypatch.setattr(target_module.TargetAdapter, "masks", leaky)
     with pytest.raises(AssertionError):
-        check_nodes(adapter, models, tree, p.shape[1])
+        check_nodes(adapter, models, tree, p)
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_a_recurrent_layer_run_over_the_flattened_tree_is_caught(family, monkeypatch):
+    """The naive hybrid verify: the Gated DeltaNet layers run left to right over the flattened tree, so a node reads
+    the state after its earlier siblings and their subtrees instead of its parent's."""
+    adapter, models, tree, p = deep_tree_case(family)
+    levels = target_module.tree_levels
+    monkeypatch.setattr(target_module, "tree_levels", lambda visible, b, n: levels(None, b, n))
+    with pytest.raises(AssertionError):
+        check_nodes(adapter, models, tree, p)
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_a_hybrid_round_commits_the_accepted_nodes_state_and_rewinds_one_round(family):
+    """After a tree round, the committed recurrent state is the one plain decoding reaches on the accepted path;
+    ``rewind`` returns to the state before the commit, and going back further is refused with the reason."""
+    target = sliding_target(family)
+    adapter = TargetAdapter(target, ())
+    p = prompt(5, 9, 48)
+    models = LiveModels.prefilled(adapter, None, [p], with_features=False)[0]
+    tree = build_tree(torch.randn(6, 48, generator=torch.Generator().manual_seed(1)) * 8, 16)
+    deepest = int(tree.depths.argmax())
+    path = _root_path(tree, deepest)
+    models.verify([0], [tree], [7])
+    models.commit([0], [path], [[0]])
+    after = [int(t) for t in [7] + [tree.token_ids[i] for i in path]]
+    plain = LiveModels.prefilled(adapter, None, [torch.cat([p, torch.tensor([after])], dim=1)], with_features=False)[0]
+    for ours, theirs in zip(models.cache.layers, plain.cache.layers):
+        if isinstance(ours, target_module.RecurrentLayer):
+            for a, b in zip(ours.state(), theirs.state()):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+            assert ours.lengths == theirs.lengths == [p.shape[1] + len(after)]
+    before = copy.deepcopy(models.cache)
+    models.rewind([p.shape[1]])
+    fresh = LiveModels.prefilled(adapter, None, [p], with_features=False)[0]
+    for ours, theirs in zip(models.cache.layers, fresh.cache.layers):
+        if isinstance(ours, target_module.RecurrentLayer):
+            for a, b in zip(ours.state(), theirs.state()):
+                torch.testing.assert_close(a, b, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="recurrent .* can go back only to its state before the last commit"):
+        adapter.crop(before, p.shape[1] - 1)
 
 
 @pytest.mark.parametrize("family", SLIDING)
@@ -180,7 +238,7 @@ def test_the_family_cost_study_runs_and_writes_its_rows(tmp_path):
     assert [r["family"] for r in rows] == ["mistral", "deepseek_v3"]
     assert all(r["greedy_equal"] == {"16": "1/1", "64": "1/1"} and r["verify_64_ms"] > 0 for r in rows)
     with pytest.raises(SystemExit, match="unknown family"):
-        main(["--families", "qwen3_next"])
+        main(["--families", "lfm2"])
 
 
 def test_a_random_drafter_for_gemma_takes_the_full_attention_layers_rotary():

@@ -93,18 +93,21 @@ def tiny_target(vocab: int = ByteTokenizer.vocab_size, layers: int = 4, hidden: 
 
 
 # tiny random targets of the families beyond dense full attention (tests and experiments.studies.target_families)
-FAMILY_TARGETS = ("qwen3", "mistral", "gemma3", "gpt_oss", "deepseek_v3")
+FAMILY_TARGETS = ("qwen3", "mistral", "gemma3", "gpt_oss", "deepseek_v3", "qwen3_next", "qwen3_5")
 
 
 def family_target(family: str, vocab: int = 48, window: int = 4, dtype: torch.dtype = torch.float64,
                    layers: int = 4, seed: int = 0):
     """A tiny random target of ``family`` (one of :data:`FAMILY_TARGETS`) from transformers' own config class, whose
     sliding layers (if any) see ``window`` positions. The mixtures of experts
-    (gpt-oss: eager attention with sinks; DeepSeek-V3: MLA) run in fp32: their grouped expert matmul has no fp64
-    kernel."""
+    (gpt-oss: eager attention with sinks; DeepSeek-V3: MLA; Qwen3-Next) run in fp32: their grouped expert matmul
+    has no fp64 kernel. The hybrids (Qwen3-Next, Qwen3.5) have no window; their Gated DeltaNet kernels compute in
+    fp32 whatever the model's dtype."""
     from transformers import (
         AutoModelForCausalLM, DeepseekV3Config, Gemma3TextConfig, GptOssConfig, MistralConfig, Qwen3Config,
+        Qwen3NextConfig,
     )
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
     common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
@@ -124,6 +127,17 @@ def family_target(family: str, vocab: int = 48, window: int = 4, dtype: torch.dt
                                   num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
                                   q_lora_rank=16, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8)
         dtype = torch.float32
+    elif family in ("qwen3_next", "qwen3_5"):  # hybrid: three Gated DeltaNet layers, then gated full attention
+        del common["sliding_window"]
+        linear = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+                      linear_value_head_dim=8, linear_conv_kernel_dim=4,  # the last layer full, as every 4th is
+                      layer_types=["linear_attention"] * (layers - 1) + ["full_attention"])
+        if family == "qwen3_next":  # with its mixture of experts (4 routed and a shared one), so fp32
+            config = Qwen3NextConfig(**common, **linear, num_experts=4, num_experts_per_tok=2,
+                                     moe_intermediate_size=16, shared_expert_intermediate_size=16)
+            dtype = torch.float32
+        else:  # Qwen3.5's text model (dense)
+            config = Qwen3_5TextConfig(**common, **linear)
     else:
         raise ValueError(family)
     torch.manual_seed(seed)
