@@ -28,7 +28,7 @@ from torch import nn
 from transformers.cache_utils import LinearAttentionLayer
 
 __all__ = ["RECURRENT_KIND", "RecurrentLayer", "NodeStates", "TreeLevels", "tree_levels", "recurrent_modules",
-           "run_by_depth"]
+           "run_by_depth", "state_bytes"]
 
 RECURRENT_KIND = "linear_attention"  # transformers' layer_types name for a Gated DeltaNet layer
 
@@ -165,6 +165,7 @@ def _forward_by_depth(module: nn.Module, layer: RecurrentLayer, levels: TreeLeve
     def forward(hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs) -> torch.Tensor:
         batch, n, _ = hidden_states.shape
         conv0, recurrent0 = layer.state()
+        _check_room(conv0, recurrent0, batch * n)
         out = torch.empty_like(hidden_states)
         conv = conv0.new_empty((batch, n) + conv0.shape[1:])
         recurrent = recurrent0.new_empty((batch, n) + recurrent0.shape[1:])
@@ -180,6 +181,25 @@ def _forward_by_depth(module: nn.Module, layer: RecurrentLayer, levels: TreeLeve
         return out
 
     return forward
+
+
+def state_bytes(conv: torch.Tensor, recurrent: torch.Tensor) -> int:
+    """Bytes of one node's state in one layer (conv window and recurrent state of one sequence)."""
+    return conv[0].numel() * conv.element_size() + recurrent[0].numel() * recurrent.element_size()
+
+
+def _check_room(conv: torch.Tensor, recurrent: torch.Tensor, rows: int) -> None:
+    """On a GPU, refuse with the numbers before allocating node states that cannot fit (per layer; every linear
+    layer keeps its own until the commit)."""
+    if conv.device.type != "cuda":
+        return
+    need = rows * state_bytes(conv, recurrent)
+    free = torch.cuda.mem_get_info(conv.device)[0]
+    if need > free:
+        raise ValueError(
+            f"verifying {rows} tree rows on this hybrid target keeps one recurrent state per row and linear layer "
+            f"({state_bytes(conv, recurrent) / 2**20:.1f} MiB each); this layer alone needs {need / 2**30:.1f} GiB "
+            f"with {free / 2**30:.1f} GiB free: lower the node budget (or the batch)")
 
 
 @contextmanager

@@ -63,7 +63,9 @@ def test_presets_are_valid_and_match_the_issue():
     assert default.models[0].target == "default" and default.models[0].draft == "default"
     assert len(quick.datasets) * quick.max_samples <= 2 and quick.max_new_tokens <= 64 and quick.budgets == (16,)
     paper_datasets = set(paper.datasets) | set(getattr(paper, "hub_datasets", ()))  # hub-only ones: when asked
-    assert len(paper.models) == 3 and len(paper_datasets) >= 10 and paper.temperatures == (0.0, 1.0)
+    assert len(paper.models) == 4 and len(paper_datasets) >= 10
+    hybrid = next(pair for pair in paper.models if pair.target == "Qwen/Qwen3.5-27B")  # beside Qwen3-8B
+    assert hybrid.max_budget == 64 and hybrid.keeps(64) and hybrid.keeps("auto") and not hybrid.keeps(128) and paper.temperatures == (0.0, 1.0)
     assert min(b for b in paper.budgets if isinstance(b, int)) == 16 and 1024 in paper.budgets
     assert paper.device == "cuda" and any(pair.device_map == "auto" for pair in paper.models)
     assert TINY.models[0] == ModelPair("tiny", "random", name="tiny")

@@ -191,7 +191,13 @@ def test_paper_dry_run_on_a_cpu_offline(tmp_path, offline_hub, no_loading, capsy
         assert any(d["name"] == name and d["status"] == "skipped" for d in data["datasets"]), name
     assert "no CUDA here: this preset would run on CUDA" in text and "needs download" in text
     assert "HF_HUB_OFFLINE" in text and "dry run only: nothing was loaded or run." in text
-    assert len(data["pairs"]) == 3
+    assert len(data["pairs"]) == 4
+    hybrid = next(p for p in data["pairs"] if p["target"] == "Qwen/Qwen3.5-27B")
+    assert 26e9 < hybrid["target_params"] < 28e9  # its Gated DeltaNet layers counted as such
+    per_node = 48 * (4 * 48 * 128 * 128 + 2 * (2 * 16 * 128 + 48 * 128) * 4)  # 48 linear layers, bf16 conv windows
+    assert hybrid["memory"]["node_states"] == 65 * per_node  # trees stop at its max_budget, 64 nodes + the root
+    assert "qwen3.5-27b" in text and "node budgets above 64 are left out for this pair" in text
+    assert "DDTree (B=128)" not in text.split("runs/qwen3.5-27b:")[1].split("\n")[0]
     for p in data["pairs"]:
         assert p["sized"] and p["budget_s"] == 3600.0
         assert 0 < p["projected_s"] <= p["budget_s"] < p["projected_full_s"]  # the printed plan is the sized plan

@@ -72,6 +72,10 @@ def _run_pair(preset: Preset, pair: ModelPair, run: RunFolder, device: torch.dev
     rank = run.rank
     run.check_resumable(preset, pair)
     variants = make_variants(preset) if variants is None else variants
+    dropped = [v.label for v in variants if not pair.keeps(v.budget)]
+    variants = [v for v in variants if pair.keeps(v.budget)]
+    if dropped:
+        log(f"{pair.slug}: left out above its max_budget {pair.max_budget}: {', '.join(dropped)}")
     if not variants:
         raise ValueError("nothing to run: no method variants")
     done = run.existing_records()

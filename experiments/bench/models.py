@@ -31,7 +31,7 @@ from experiments.bench.presets import ModelPair
 
 __all__ = ["ByteTokenizer", "Models", "WeightSource", "InsufficientDiskError", "KNOWN_SHAPES", "tiny_target",
            "FAMILY_TARGETS", "family_target",
-           "random_draft", "resolve_dtype", "parameter_count", "dtype_bytes",
+           "random_draft", "resolve_dtype", "parameter_count", "linear_attention_params", "dtype_bytes",
            "hub_cache_dir", "hub_offline", "locate_weights", "check_weights", "chat_settings", "load_models"]
 
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
@@ -213,6 +213,13 @@ KNOWN_SHAPES: dict[str, dict[str, Any]] = {
                                               num_hidden_layers=48, num_key_value_heads=4, intermediate_size=6144,
                                               moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
                                               tie_word_embeddings=False),
+    # Qwen3.5-27B's text model (its config.json's text_config): 64 layers, three of every four Gated DeltaNet
+    "Qwen/Qwen3.5-27B": dict(model_type="qwen3_5_text", hidden_size=5120, num_hidden_layers=64,
+                             num_attention_heads=24, num_key_value_heads=4, head_dim=256, intermediate_size=17408,
+                             vocab_size=248320, attn_output_gate=True, tie_word_embeddings=False,
+                             layer_types=[("full_attention" if i % 4 == 3 else "linear_attention") for i in range(64)],
+                             linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+                             linear_value_head_dim=128, linear_conv_kernel_dim=4, torch_dtype="bfloat16"),
     "z-lab/Qwen3-4B-DFlash-b16": dict(_QWEN3_COMMON, hidden_size=2560, num_hidden_layers=5, num_key_value_heads=8,
                                       intermediate_size=9728, block_size=16, num_target_layers=36,
                                       dflash_config={"target_layer_ids": [1, 9, 17, 25, 33]}, estimated=True),
@@ -223,6 +230,9 @@ KNOWN_SHAPES: dict[str, dict[str, Any]] = {
                                              num_key_value_heads=4, intermediate_size=6144, block_size=16,
                                              num_target_layers=48,
                                              dflash_config={"target_layer_ids": [1, 12, 24, 35, 45]}, estimated=True),
+    "z-lab/Qwen3.5-27B-DFlash": dict(_QWEN3_COMMON, hidden_size=5120, num_hidden_layers=5, num_key_value_heads=8,
+                                     intermediate_size=17408, vocab_size=248320, block_size=16, num_target_layers=64,
+                                     dflash_config={"target_layer_ids": [1, 16, 31, 46, 61]}, estimated=True),
 }
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
@@ -265,7 +275,12 @@ def parameter_count(config: dict[str, Any]) -> int:
     moe_mlp = experts * 3 * hidden * int(cfg.get("moe_intermediate_size") or 0) + hidden * experts
     if cfg.get("shared_expert_intermediate_size"):
         moe_mlp += 3 * hidden * int(cfg["shared_expert_intermediate_size"]) + hidden
-    total = layers * (attn + 2 * hidden) + sparse_layers * moe_mlp + (layers - sparse_layers) * dense_mlp + hidden
+    if cfg.get("attn_output_gate", str(cfg.get("model_type", "")).startswith(("qwen3_next", "qwen3_5"))):
+        # Qwen3-Next / Qwen3.5: q_proj also gives the attention output's gate
+        attn += hidden * heads * head_dim
+    linear = list(cfg.get("layer_types") or []).count("linear_attention")
+    total = (layers - linear) * attn + linear * linear_attention_params(cfg) + layers * 2 * hidden
+    total += sparse_layers * moe_mlp + (layers - sparse_layers) * dense_mlp + hidden
     if _is_draft_config(cfg):
         taps = len((cfg.get("dflash_config") or {}).get("target_layer_ids") or cfg.get("target_layer_ids") or [0])
         total += taps * hidden * hidden + hidden  # fc, hidden_norm
@@ -277,6 +292,19 @@ def parameter_count(config: dict[str, Any]) -> int:
         return total
     vocab = int(cfg.get("vocab_size") or 0)
     return total + vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
+
+
+def linear_attention_params(cfg: dict[str, Any]) -> int:
+    """Parameters of one Gated DeltaNet layer (Qwen3-Next / Qwen3.5): input projections (q, k, v, the output gate
+    z, and the per-head beta and decay), the short depthwise conv over q, k and v, the output projection, the gated
+    norm, and the per-head decay parameters."""
+    hidden = int(cfg["hidden_size"])
+    keys = int(cfg.get("linear_num_key_heads") or 0) * int(cfg.get("linear_key_head_dim") or 0)
+    v_heads, v_dim = int(cfg.get("linear_num_value_heads") or 0), int(cfg.get("linear_value_head_dim") or 0)
+    values = v_heads * v_dim
+    kernel = int(cfg.get("linear_conv_kernel_dim") or 4)
+    return hidden * (2 * keys + 2 * values + 2 * v_heads) + (2 * keys + values) * kernel + values * hidden \
+        + v_dim + 2 * v_heads
 
 
 def hub_cache_dir() -> Path:

@@ -131,7 +131,9 @@ def _pair_plan(plan: dict[str, Any], convs: list, pair, folder: Path, earlier: i
 
     blocked, run_bytes, devices = plan["blocked"], plan["run_bytes"], plan["devices"]
     target, draft, target_cfg, t_params, d_params = _pair_sources(pair)
-    memory = pair_memory(target_cfg, draft.config, t_params, d_params, run_bytes, plan["context"])
+    variants = [v for v in plan["variants"] if pair.keeps(v.budget)]
+    nodes = max([v.budget for v in variants if isinstance(v.budget, int) and not isinstance(v.budget, bool)] + [0])
+    memory = pair_memory(target_cfg, draft.config, t_params, d_params, run_bytes, plan["context"], nodes)
     download = sum(s.download_bytes or 0 for s in (target, draft) if s.kind == "download")
     try:
         check_weights(pair)
@@ -142,7 +144,7 @@ def _pair_plan(plan: dict[str, Any], convs: list, pair, folder: Path, earlier: i
     if refusal is not None:
         blocked.append(f"{pair.slug}: {refusal}")
     per_token = {v: seconds_per_token(v, plan["prior"], target_cfg, t_params, draft.config, d_params, pair.draft,
-                                      run_bytes) for v in plan["variants"]}
+                                      run_bytes) for v in variants}
     costs = turn_costs(plan["preset"], plan["prior"], target_cfg, t_params, draft.config, d_params, run_bytes,
                        replayed=len(bench_replay_variants(plan["preset"])) if draft.params or draft.config else 0)
     sized = _sized_grid(plan, convs, folder, per_token, costs)

@@ -73,15 +73,29 @@ def _builtin_config(name: str) -> dict[str, Any] | None:
 
 # ---------------------------------------------------------------------------------------------------- memory
 def pair_memory(target_cfg: dict | None, draft_cfg: dict | None, target_params: int | None,
-                draft_params: int | None, run_bytes: int, context: int) -> dict[str, int | None]:
-    """GPU memory of a pair in the run's dtype: weights, the target's KV cache at ``context`` positions and the
-    drafter's (its cache holds the committed context per draft layer)."""
+                draft_params: int | None, run_bytes: int, context: int, nodes: int = 0) -> dict[str, int | None]:
+    """GPU memory of a pair in the run's dtype: weights, the target's KV cache at ``context`` positions (its
+    attention layers only) and the drafter's (its cache holds the committed context per draft layer); for a hybrid
+    target, the per-node states a tree of ``nodes`` draft nodes keeps in its linear-attention layers (one
+    recurrent state in fp32 and one conv window per node, root included, and layer)."""
     t, d = _shape(target_cfg), _shape(draft_cfg)
-    kv_target = 2 * t["layers"] * t["kv"] * t["head_dim"] * run_bytes * context if target_cfg else None
+    cfg = (target_cfg or {}).get("text_config") or (target_cfg or {})
+    linear = list(cfg.get("layer_types") or []).count("linear_attention")
+    kv_target = 2 * (t["layers"] - linear) * t["kv"] * t["head_dim"] * run_bytes * context if target_cfg else None
     kv_draft = 2 * d["layers"] * d["kv"] * d["head_dim"] * run_bytes * context if draft_cfg else 0
+    node_states = linear * (nodes + 1) * _linear_state_bytes(cfg, run_bytes) if linear else 0
     weights = None if target_params is None else (target_params + (draft_params or 0)) * run_bytes
-    total = None if weights is None or kv_target is None else weights + kv_target + kv_draft
-    return {"weights": weights, "kv_target": kv_target, "kv_draft": kv_draft, "total": total}
+    total = None if weights is None or kv_target is None else weights + kv_target + kv_draft + node_states
+    return {"weights": weights, "kv_target": kv_target, "kv_draft": kv_draft, "node_states": node_states,
+            "total": total}
+
+
+def _linear_state_bytes(cfg: dict, run_bytes: int) -> int:
+    """One sequence's state in one Gated DeltaNet layer: the recurrent matrices (fp32) and the conv window."""
+    keys, v_heads = int(cfg.get("linear_key_head_dim") or 0), int(cfg.get("linear_num_value_heads") or 0)
+    values = int(cfg.get("linear_value_head_dim") or 0)
+    channels = 2 * int(cfg.get("linear_num_key_heads") or 0) * keys + v_heads * values
+    return 4 * v_heads * keys * values + run_bytes * channels * int(cfg.get("linear_conv_kernel_dim") or 4)
 
 
 def _context(datasets: list, preset) -> int:

@@ -45,8 +45,9 @@ def render(plan: dict[str, Any]) -> str:
     lines += _time_lines(plan)
     lines += ["", "would run:", f"  {_launch_line(plan)}"]
     for p in plan["pairs"]:
+        variants = [v for v in plan["variants"] if p["pair"].keeps(v.budget)]
         lines.append(f"  {p['folder']}: {len(p['kept'])} generations of {preset.max_new_tokens} tokens at most "
-                     f"({p['done']} records already there): {_summarize_kept(p['kept'], plan['variants'])}")
+                     f"({p['done']} records already there): {_summarize_kept(p['kept'], variants)}")
     if plan["blocked"]:
         lines += ["", "blocked (the run would stop here):"] + [f"  - {b}" for b in plan["blocked"]]
     lines += ["", "dry run only: nothing was loaded or run."]
@@ -84,7 +85,11 @@ def _model_lines(plan) -> list[str]:
         if m["total"]:
             lines.append(f"    {memory_name} ~{_gib(m['total'])}: weights {_gib(m['weights'])} + KV cache "
                          f"{_gib(m['kv_target'])} (target) + {_gib(m['kv_draft'])} (drafter) at the longest "
-                         f"generation, ~{plan['context']} positions")
+                         f"generation, ~{plan['context']} positions"
+                         + (f" + {_gib(m['node_states'])} of per-node recurrent states (hybrid target, "
+                            f"largest tree)" if m.get("node_states") else ""))
+        if pair.max_budget:
+            lines.append(f"    node budgets above {pair.max_budget} are left out for this pair (ModelPair.max_budget)")
     return lines
 
 

@@ -12,7 +12,7 @@
   (recursive rejection sampling) at budgets 16 and 32, ``auto`` (top-K), AR and DFlash, on the seven offline datasets,
   six prompts each; the top-K budgets 2..64, ``auto`` and the chain replayed on plain decoding's sampled text.
 * ``paper``   -- the DDTree paper's grid on CUDA (Qwen3-4B/8B, Qwen3-Coder-30B-A3B with the z-lab drafters,
-  budgets 16..1024, T in {0, 1}): the six offline datasets by default, the four hub-only ones when asked
+  budgets 16..1024, T in {0, 1}; beside them the hybrid Qwen3.5-27B with its z-lab drafter, trees up to 64 nodes): the six offline datasets by default, the four hub-only ones when asked
   (``with_overrides(..., include_hub=True)``, ``bash run_benchmark.sh --hub-datasets``); sized to an hour of
   decoding per model pair (``--full``: the whole grid); ``bash run_benchmark.sh --preset paper --dry-run`` prints
   the plan (:mod:`experiments.bench.plan`). ``run_benchmark.sh`` launches it under torchrun over all visible GPUs.
@@ -55,6 +55,8 @@ class ModelPair:
     DFlash checkpoint folder / hub id. ``name`` is the run's subfolder when a preset holds several pairs.
     ``device_map="auto"`` spreads a target that does not fit one GPU over several (under torchrun: over the GPUs
     of the rank's share). ``chat_template_kwargs`` go to the tokenizer's chat template (Qwen3: no thinking).
+    ``max_budget``: int node budgets above it are left out for this pair (a hybrid target keeps one recurrent state
+    per tree node and linear layer, which bounds the tree a GPU can verify).
     """
 
     target: str
@@ -62,6 +64,12 @@ class ModelPair:
     name: str = ""
     device_map: str | None = None
     chat_template_kwargs: tuple[tuple[str, Any], ...] = ()
+    max_budget: int | None = None
+
+    def keeps(self, budget) -> bool:
+        """Whether this pair runs a variant of node budget ``budget`` (an int, or a policy name: always)."""
+        fixed = isinstance(budget, int) and not isinstance(budget, bool)
+        return not (fixed and self.max_budget is not None and budget > self.max_budget)
 
     @property
     def slug(self) -> str:
@@ -257,11 +265,15 @@ _QWEN3_CHAT = (("enable_thinking", False),)
 _PAPER_OFFLINE = ("gsm8k", "math500", "aime24", "aime25", "humaneval", "mt-bench")  # the paper's offline six
 PAPER = Preset(
     name="paper",
-    description="DDTree paper grid on CUDA: Qwen3-4B/8B + Qwen3-Coder-30B-A3B, 6 offline datasets (+4 hub ones "
-                "when asked), B=16..1024, T in {0,1}, 1 h of decoding per pair",
+    description="DDTree paper grid on CUDA: Qwen3-4B/8B + Qwen3-Coder-30B-A3B, and the hybrid Qwen3.5-27B (B <= 64), "
+                "6 offline datasets (+4 hub ones when asked), B=16..1024, T in {0,1}, 1 h of decoding per pair",
     models=(
         ModelPair("Qwen/Qwen3-4B", "z-lab/Qwen3-4B-DFlash-b16", name="qwen3-4b", chat_template_kwargs=_QWEN3_CHAT),
         ModelPair("Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16", name="qwen3-8b", chat_template_kwargs=_QWEN3_CHAT),
+        # a hybrid target (48 Gated DeltaNet + 16 gated full-attention layers): each tree node keeps ~149 MiB of
+        # recurrent states, so trees stop at 64 nodes (9.7 GiB beside 54 GiB of bf16 weights on one 80 GB GPU)
+        ModelPair("Qwen/Qwen3.5-27B", "z-lab/Qwen3.5-27B-DFlash", name="qwen3.5-27b", chat_template_kwargs=_QWEN3_CHAT,
+                  max_budget=64),
         ModelPair("Qwen/Qwen3-Coder-30B-A3B-Instruct", "z-lab/Qwen3-Coder-30B-A3B-DFlash", name="qwen3-coder-30b-a3b",
                   device_map="auto"),
     ),
