@@ -1,7 +1,8 @@
 """What a tree verify costs per target family: ``python -m experiments.studies.target_families``.
 
 For every family of :data:`experiments.bench.models.FAMILY_TARGETS` (tiny random configurations from transformers'
-own config classes: Qwen3 with sliding windows, Mistral, Gemma 3, gpt-oss, DeepSeek-V3's latent attention), on a
+own config classes: Qwen3 with sliding windows, Mistral, Gemma 3, gpt-oss, DeepSeek-V3's latent attention, the
+Gated DeltaNet hybrids Qwen3-Next and Qwen3.5, whose linear layers verify a tree depth by depth), on a
 ``--context``-token prompt: the median seconds of one plain decoding step (one token, the model's own causal mask)
 and of one verify forward of a best-first tree of 1, 16 and 64 draft nodes (plus the root) (the loop's ``LiveModels.verify``: the tree
 mask, one per layer kind where the family has sliding layers), each from the same prefilled cache. Also, per
