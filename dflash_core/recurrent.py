@@ -20,6 +20,7 @@ Only :mod:`dflash_core.target` uses this module.
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -100,10 +101,18 @@ class NodeStates:
     """The cache a Gated DeltaNet layer sees while it runs one depth of a tree: row r is one node (one token) that
     reads its parent's conv window ``conv[r]`` (updated in place by the layer's conv step, so it ends as the node's
     own) and recurrent state ``recurrent[r]``; the layer hands the node's new recurrent state back through
-    :meth:`update_recurrent_state`."""
+    :meth:`update_recurrent_state`. It answers both ways transformers' layers read their cache: through the cache's
+    methods (``get_conv_state``, 5.2x) and through ``has_previous_state`` and ``layers[i].conv_states`` (5.17)."""
+
+    record_past = False
 
     def __init__(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
         self.conv, self.recurrent = conv, recurrent
+        self.conv_states, self.recurrent_states = {0: conv}, {0: recurrent}
+        self.layers = _Every(self)
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        return True
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
         return self.conv
@@ -113,7 +122,7 @@ class NodeStates:
 
     def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs
                                ) -> torch.Tensor:
-        self.recurrent = recurrent_states
+        self.recurrent = self.recurrent_states[0] = recurrent_states
         return recurrent_states
 
     def is_recording_past(self, layer_idx: int) -> bool:
@@ -124,6 +133,16 @@ class NodeStates:
 
     def increase_count(self, layer_idx: int, state_idx: int) -> None:
         pass
+
+
+class _Every:
+    """``layers[i]`` for any i: the one :class:`NodeStates` (a layer reads only its own index)."""
+
+    def __init__(self, item: NodeStates) -> None:
+        self.item = item
+
+    def __getitem__(self, index: int) -> NodeStates:
+        return self.item
 
 
 class TreeLevels:
@@ -161,8 +180,10 @@ def recurrent_modules(model: nn.Module) -> list[nn.Module]:
 def _forward_by_depth(module: nn.Module, layer: RecurrentLayer, levels: TreeLevels, base: int):
     """A stand-in ``forward`` for one Gated DeltaNet module: its own forward, depth by depth (module docstring)."""
     own = type(module).forward
+    keyword = "cache" if "cache" in inspect.signature(own).parameters else "cache_params"  # 5.2x / 5.17
 
-    def forward(hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs) -> torch.Tensor:
+    def forward(hidden_states: torch.Tensor, attention_mask=None, **kwargs) -> torch.Tensor:
+        kwargs.pop("cache", None), kwargs.pop("cache_params", None)
         batch, n, _ = hidden_states.shape
         conv0, recurrent0 = layer.state()
         _check_room(conv0, recurrent0, batch * n)
@@ -175,7 +196,7 @@ def _forward_by_depth(module: nn.Module, layer: RecurrentLayer, levels: TreeLeve
                 states = NodeStates(conv0[b], recurrent0[b])
             else:
                 states = NodeStates(conv[b, parent], recurrent[b, parent])
-            out[b, i] = own(module, hidden_states[b, i][:, None], cache=states, **kwargs)[:, 0]
+            out[b, i] = own(module, hidden_states[b, i][:, None], **{keyword: states}, **kwargs)[:, 0]
             conv[b, i], recurrent[b, i] = states.conv, states.recurrent.to(recurrent.dtype)
         layer.nodes, layer.base = (conv, recurrent), base
         return out
