@@ -28,6 +28,7 @@ node's token, for the conditioned chain and tree builders.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,10 +148,16 @@ def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 
 @dataclass
 class DraftCache:
-    """Keys and values of the committed context, per layer: each ``[B, kv_heads, ctx_len, head_dim]``."""
+    """Keys and values of the committed context, per layer: each ``[B, kv_heads, ctx_len, head_dim]``.
+
+    They are views of per-layer buffers that grow geometrically (by half, at least 256 slots): a drafter pass writes
+    only its new context and its block into the buffer (:meth:`join`), so a pass costs no copy of the cached
+    context. Keys assigned from elsewhere (a batch's stacked caches) are taken into a fresh buffer on the next pass.
+    """
 
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
+    buffers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list, repr=False, compare=False)
 
     @property
     def length(self) -> int:
@@ -159,6 +166,41 @@ class DraftCache:
     def crop(self, length: int) -> None:
         self.keys = [k[..., :length, :] for k in self.keys]
         self.values = [v[..., :length, :] for v in self.values]
+
+    def join(self, layer: int, keys: torch.Tensor, values: torch.Tensor, block_keys: torch.Tensor,
+             block_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s keys and values for one pass, ``[B, kv_heads, L + m + b, head_dim]``: the committed
+        context (L), the new context ``keys`` / ``values`` (m, which joins the committed context) and the block's
+        (b, scratch that the next pass overwrites), written in place after the committed slots."""
+        past = self.keys[layer] if layer < len(self.keys) else None
+        start = 0 if past is None else past.shape[-2]
+        mid, end = start + keys.shape[-2], start + keys.shape[-2] + block_keys.shape[-2]
+        k_buf, v_buf = self._buffer(layer, past, keys, end)
+        k_buf[:, :, start:mid], v_buf[:, :, start:mid] = keys, values
+        k_buf[:, :, mid:end], v_buf[:, :, mid:end] = block_keys, block_values
+        if layer == len(self.keys):
+            self.keys.append(k_buf[:, :, :mid])
+            self.values.append(v_buf[:, :, :mid])
+        else:
+            self.keys[layer], self.values[layer] = k_buf[:, :, :mid], v_buf[:, :, :mid]
+        return k_buf[:, :, :end], v_buf[:, :, :end]
+
+    def _buffer(self, layer: int, past: torch.Tensor | None, like: torch.Tensor, need: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s buffers when its keys live in them and ``need`` slots fit, else new ones holding them."""
+        while len(self.buffers) <= layer:
+            self.buffers.append(None)
+        held = self.buffers[layer]
+        if held is not None and held[0].shape[0] == like.shape[0] and held[0].shape[-2] >= need and (
+                past is None or (past.data_ptr() == held[0].data_ptr()
+                                 and self.values[layer].data_ptr() == held[1].data_ptr())):
+            return held
+        shape = like.shape[:2] + (need + max(256, need // 2), like.shape[-1])
+        k_buf, v_buf = like.new_empty(shape), like.new_empty(shape)
+        if past is not None and past.shape[-2]:
+            k_buf[:, :, : past.shape[-2]], v_buf[:, :, : past.shape[-2]] = past, self.values[layer]
+        self.buffers[layer] = (k_buf, v_buf)
+        return k_buf, v_buf
 
 
 def window_mask(n_query: int, n_key: int, causal: bool, window: int | None,
@@ -207,17 +249,18 @@ class DraftAttention(nn.Module):
         context: torch.Tensor,  # [B, Nc, hidden] fused target features (new context only when a cache is given)
         block_rope: tuple[torch.Tensor, torch.Tensor],
         context_rope: tuple[torch.Tensor, torch.Tensor],
-        past: tuple[torch.Tensor, torch.Tensor] | None,
+        join,  # None, or DraftCache.join for this layer: the cached context before the new one, written in place
         attn_mask: torch.Tensor | None,  # [B or 1, 1, Nq, Nk] bool, True = may attend
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    ) -> torch.Tensor:
         b, nq, _ = block.shape
         q = self.q_norm(self.q_proj(block).view(b, nq, self.num_heads, self.head_dim)).transpose(1, 2)
         q = _apply_rotary(q, *block_rope)
         k_ctx, v_ctx = self._project_kv(context, *context_rope)
-        if past is not None:
-            k_ctx, v_ctx = torch.cat([past[0], k_ctx], dim=2), torch.cat([past[1], v_ctx], dim=2)
         k_blk, v_blk = self._project_kv(block, *block_rope)
-        k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)  # [B, kv_heads, Nc+Nq, hd]
+        if join is None:
+            k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)  # [B, kv_heads, Nc+Nq, hd]
+        else:
+            k, v = join(k_ctx, v_ctx, k_blk, v_blk)
         nk = k.shape[2]
         if self.causal or (self.window is not None and nk > self.window):
             if attn_mask is not None:
@@ -233,7 +276,7 @@ class DraftAttention(nn.Module):
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
                                                  enable_gqa=self.num_heads != self.num_kv_heads).transpose(1, 2)
-        return self.o_proj(out.reshape(b, nq, -1)), (k_ctx, v_ctx)
+        return self.o_proj(out.reshape(b, nq, -1))
 
 
 class DraftMLP(nn.Module):
@@ -255,10 +298,9 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, block, context, block_rope, context_rope, past, attn_mask):
-        attn, kv = self.self_attn(self.input_layernorm(block), context, block_rope, context_rope, past, attn_mask)
-        block = block + attn
-        return block + self.mlp(self.post_attention_layernorm(block)), kv
+    def forward(self, block, context, block_rope, context_rope, join, attn_mask):
+        block = block + self.self_attn(self.input_layernorm(block), context, block_rope, context_rope, join, attn_mask)
+        return block + self.mlp(self.post_attention_layernorm(block))
 
 
 class DFlashDraftModel(nn.Module):
@@ -359,14 +401,9 @@ class DFlashDraftModel(nn.Module):
         block_rope = self.rotary(block_positions, dtype)
         context_rope = self.rotary(context_positions, dtype)
         hidden = block_embeds
-        new_keys, new_values = [], []
         for i, layer in enumerate(self.layers):
-            past = (cache.keys[i], cache.values[i]) if cache is not None and cache.keys else None
-            hidden, (k, v) = layer(hidden, context, block_rope, context_rope, past, attn_mask)
-            new_keys.append(k)
-            new_values.append(v)
-        if cache is not None:
-            cache.keys, cache.values = new_keys, new_values
+            join = None if cache is None else functools.partial(cache.join, i)
+            hidden = layer(hidden, context, block_rope, context_rope, join, attn_mask)
         return self.norm(hidden)
 
     # ------------------------------------------------------------------ checkpoints

@@ -47,6 +47,29 @@ def test_cached_incremental_pass_equals_full_recompute():
     torch.testing.assert_close(incremental, full)
 
 
+def test_the_drafter_cache_is_written_in_place_and_survives_crops_and_reassignment():
+    """Passes write into one buffer per layer (no copy of the cached context), a crop and a re-draft equal a fresh
+    run, and keys assigned from elsewhere (a batch's stacked caches) move into a new buffer on the next pass."""
+    draft = make_draft(make_target("qwen3"), block_size=4, layers=2)
+    ctx, blk = _inputs(draft, ctx_len=40)
+    cache = DraftCache()
+    draft(blk, ctx[:, :20], torch.arange(20, 24), torch.arange(20), cache=cache)
+    buffers = [b[0].data_ptr() for b in cache.buffers]
+    for start in range(20, 36, 4):  # four more passes: the same buffers, the keys views of them
+        draft(blk, ctx[:, start:start + 4], torch.arange(start + 4, start + 8), torch.arange(start, start + 4),
+              cache=cache)
+    assert [b[0].data_ptr() for b in cache.buffers] == buffers
+    assert all(k.data_ptr() == b[0].data_ptr() for k, b in zip(cache.keys, cache.buffers)) and cache.length == 36
+    cache.crop(30)  # back six tokens, as a measurement's rewind does, then on again
+    again = draft(blk, ctx[:, 30:], torch.arange(40, 44), torch.arange(30, 40), cache=cache)
+    torch.testing.assert_close(again, draft(blk, ctx, torch.arange(40, 44), torch.arange(40)))
+    moved = DraftCache([k.clone() for k in cache.keys], [v.clone() for v in cache.values])
+    moved.crop(36)
+    out = draft(blk, ctx[:, 36:], torch.arange(40, 44), torch.arange(36, 40), cache=moved)
+    torch.testing.assert_close(out, again)
+    assert moved.length == 40 and all(k.data_ptr() == b[0].data_ptr() for k, b in zip(moved.keys, moved.buffers))
+
+
 def test_context_is_injected_and_block_attention_is_bidirectional():
     draft = make_draft(make_target("llama"), block_size=4, layers=2)
     ctx, blk = _inputs(draft)
@@ -164,11 +187,14 @@ def test_unsupported_targets_are_refused():
     TargetAdapter(AutoModelForCausalLM.from_config(Qwen3Config(**small, use_sliding_window=True, sliding_window=8,
                                                                max_window_layers=0)))  # sliding windows are served
     hybrid = AutoModelForCausalLM.from_config(Qwen3Config(**small))
-    hybrid.config.layer_types = ["linear_attention", "full_attention"]
-    with pytest.raises(IncompatibleModelError, match="linear_attention are not supported"):
+    hybrid.config.layer_types = ["linear_attention", "full_attention"]  # named, but no Gated DeltaNet mixer to drive
+    with pytest.raises(IncompatibleModelError, match="1 linear_attention layers.*has 0 Gated DeltaNet mixers"):
         TargetAdapter(hybrid)
-    hybrid.config.model_type = "qwen3_next"
-    with pytest.raises(IncompatibleModelError, match="not supported yet: its Gated DeltaNet"):
+    hybrid.config.layer_types = ["conv", "full_attention"]
+    with pytest.raises(IncompatibleModelError, match="layers of kind conv are not supported"):
+        TargetAdapter(hybrid)
+    hybrid.config.model_type = "kimi_k25"
+    with pytest.raises(IncompatibleModelError, match="not supported yet: the checkpoint is a vision-language model"):
         TargetAdapter(hybrid)
 
 
