@@ -16,6 +16,10 @@
 #                                          Medusa; at T = 1 also sampled trees, traversal verification, SpecInfer):
 #                                          replayed over 63 prompts, live over 6 per dataset; table and figure
 #                                          (python -m experiments.bench.tree_builders; default folder runs/baselines)
+#   bash run_benchmark.sh --preset long    long contexts on the embedded pair: plain decoding's step, the prefill
+#                                          rate and DDTree (B=8, auto) speedup and tokens/s at 100, 1K, 3K and 6K
+#                                          tokens of context, 1,024-token answers; table and figure
+#                                          (python -m experiments.studies.long_context; default folder runs/long)
 #   --hub-datasets                         also the preset's hub-only datasets (paper: mbpp, livecodebench,
 #                                          swe-bench, alpaca; they need the Hugging Face Hub and `datasets`)
 #
@@ -65,21 +69,37 @@ if [ -n "$BATCH" ]; then
   echo "[run_benchmark] finished in $((SECONDS - START)) s; results: $OUT/throughput.json"
   exit 0
 fi
-if [ "$PRESET" = "baselines" ]; then  # tree builders side by side on one drafter: replayed and live
-  OUT="${OUT:-runs/baselines}"
+# A study preset: its module writes summary.json / summary.md into OUT, then its figure is drawn.
+#   study_preset FOLDER MODULE FIGURE_MODULE FIGURE_NAME WHAT [module arguments...]
+study_preset() {
+  local folder="$1" module="$2" figure="$3" name="$4" what="$5"
+  shift 5
+  OUT="${OUT:-$folder}"
   if [ "$DRY_RUN" = "1" ] || [ "$HUB" = "1" ]; then
-    echo "[run_benchmark] --preset baselines takes neither --dry-run nor --hub-datasets (see python -m experiments.bench.tree_builders --help)" >&2
+    echo "[run_benchmark] --preset $PRESET takes neither --dry-run nor --hub-datasets" \
+      "(see python -m $module --help)" >&2
     exit 2
   fi
   source scripts/bootstrap.sh
-  echo "[run_benchmark] tree builders (DDTree, EAGLE-2, Sequoia, Medusa; at T > 0 sampled, traversal, SpecInfer) -> $OUT"
-  "$DDTREE_PYTHON" -m experiments.bench.tree_builders --out "$OUT" ${ARGS[@]+"${ARGS[@]}"}
+  echo "[run_benchmark] $what -> $OUT"
+  "$DDTREE_PYTHON" -m "$module" "$@" ${ARGS[@]+"${ARGS[@]}"}
   if "$DDTREE_PYTHON" -c "import matplotlib" >/dev/null 2>&1; then
-    "$DDTREE_PYTHON" -m plots.tree_builders_figure "$OUT/summary.json" --out "$OUT/tree_builders.png" >/dev/null
-    echo "  figure:  $OUT/tree_builders.png"
+    "$DDTREE_PYTHON" -m "$figure" "$OUT/summary.json" --out "$OUT/$name" >/dev/null
+    echo "  figure:  $OUT/$name"
   fi
   echo "[run_benchmark] finished in $((SECONDS - START)) s; table: $OUT/summary.md"
   exit 0
+}
+if [ "$PRESET" = "baselines" ]; then  # tree builders side by side on one drafter: replayed and live
+  OUT="${OUT:-runs/baselines}"
+  study_preset runs/baselines experiments.bench.tree_builders plots.tree_builders_figure tree_builders.png \
+    "tree builders (DDTree, EAGLE-2, Sequoia, Medusa; at T > 0 sampled, traversal, SpecInfer)" --out "$OUT"
+fi
+if [ "$PRESET" = "long" ]; then  # cost against context length: step, prefill, DDTree speedup; resumable per context
+  OUT="${OUT:-runs/long}"
+  study_preset runs/long experiments.studies.long_context plots.long_context_figure long_context.png \
+    "long contexts (plain decoding, DDTree B=8 and auto; 1,024-token answers)" --contexts 100,1000,3000,6000 \
+    --methods 8,auto --max-new-tokens 1024 --out "$OUT/long_context.jsonl"
 fi
 OUT="${OUT:-runs/$PRESET}"
 if [ "$HUB" = "1" ] && [ "$HAS_DATASETS" = "1" ]; then

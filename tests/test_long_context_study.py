@@ -24,3 +24,35 @@ def test_records_every_context_and_a_rerun_measures_only_the_missing(tmp_path, m
     study.main(args + ["--contexts", "20,60,90"])
     assert measured == [90]
     assert [json.loads(line)["asked_context"] for line in out.read_text().splitlines()] == [20, 60, 90]
+
+
+def test_the_summary_table_and_figure(tmp_path):
+    """After the last context: summary.json / summary.md with one row per context (ascending) and every method, and
+    the figure drawn from the JSON."""
+    out = tmp_path / "long" / "long_context.jsonl"
+    study.main(["--pair", "tiny", "--text", "random", "--methods", "4,auto", "--max-new-tokens", "4", "--out",
+                str(out), "--contexts", "40,16"])
+    summary = json.loads((out.parent / "summary.json").read_text())
+    assert [r["context"] for r in summary["rows"]] == [16, 40]
+    assert all(set(r["methods"]) == {"ddtree_4", "ddtree_auto"} and r["plain_step_ms"] > 0 for r in summary["rows"])
+    table = (out.parent / "summary.md").read_text().splitlines()
+    assert table[2].startswith("| context | plain step (ms)") and len(table) == 6 and "4: tok/s" in table[2]
+    from plots.long_context_figure import context_lines, main
+
+    lines = context_lines(summary)
+    assert set(lines) == {"ar", "ddtree_4", "ddtree_auto"} and [p[0] for p in lines["ar"]] == [16, 40]
+    assert main([str(out.parent / "summary.json")]) == 0
+    assert (out.parent / "long_context.png").stat().st_size > 10_000
+
+
+def test_the_study_presets_refuse_a_dry_run_with_the_command_to_read():
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "run_benchmark.sh"
+    studies = (("long", "experiments.studies.long_context"), ("baselines", "experiments.bench.tree_builders"))
+    for preset, module in studies:
+        out = subprocess.run(["bash", str(script), "--preset", preset, "--dry-run"], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 2 and f"--preset {preset} takes neither --dry-run" in out.stderr
+        assert f"python -m {module} --help" in out.stderr

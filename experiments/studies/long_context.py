@@ -8,7 +8,10 @@ message with a summary request (``--text random``: random token ids, plain decod
 embedded pair by default (``--pair tiny``: a random tiny pair, for smoke runs).
 
 Each finished context is one JSON line in ``--out``; the file is rewritten atomically after each, and a rerun skips
-the contexts it already holds.
+the contexts it already holds. After the last context, ``summary.json`` and ``summary.md`` beside it hold the table
+(context, plain step, prefill rate, tokens per second and speedup per method); ``python -m plots.long_context_figure``
+draws it. ``bash run_benchmark.sh --preset long`` runs it with answers of 1,024 tokens at 100 to 6,000 tokens of
+context and draws the figure.
 """
 
 from __future__ import annotations
@@ -72,6 +75,48 @@ def run(target, draft, prompt_for, contexts: list[int], budgets: list, max_new_t
     return done
 
 
+def summarize(records: list[dict], budgets: list) -> dict:
+    """The study's table as one record: a row per context (ascending) with plain decoding's step, prefill rate and
+    tokens per second, and per DDTree budget its tokens per second, speedup, tau and equality to plain decoding."""
+    rows = []
+    for r in sorted(records, key=lambda r: r["context"]):
+        row = {k: r[k] for k in ("context", "plain_step_ms", "prefill_tok_s", "plain_tok_s")}
+        row["methods"] = {f"ddtree_{b}": r[f"ddtree_{b}"] for b in budgets if f"ddtree_{b}" in r}
+        rows.append(row)
+    first = records[0] if records else {}
+    return {"machine": {"cpu": first.get("cpu", ""), "dtype": first.get("dtype", "")},
+            "settings": {"text": first.get("text"), "max_new_tokens": first.get("max_new_tokens"),
+                         "budgets": [str(b) for b in budgets]}, "rows": rows}
+
+
+def markdown(summary: dict) -> str:
+    """``summary.md``: one line per context."""
+    names = sorted({m for row in summary["rows"] for m in row["methods"]})
+    head = ["context", "plain step (ms)", "prefill (tok/s)", "plain (tok/s)"]
+    head += [f"{n.removeprefix('ddtree_')}: tok/s, speedup, tau, same" for n in names]
+    lines = [f"Long contexts: {summary['machine']['cpu']}, {summary['machine']['dtype']}, "
+             f"{summary['settings']['max_new_tokens']} new tokens, DDTree budgets {', '.join(names)}", "",
+             "| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for row in summary["rows"]:
+        cells = [str(row["context"]), f"{row['plain_step_ms']:.1f}", f"{row['prefill_tok_s']:.0f}",
+                 f"{row['plain_tok_s']:.2f}"]
+        for n in names:
+            m = row["methods"].get(n)
+            cells.append("-" if m is None else f"{m['tok_s']:.2f}, {m['speedup']:.2f}x, {m['tau']:.2f}, "
+                                               f"{'yes' if m['same_as_plain'] else 'no'}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_summary(records: list[dict], budgets: list, out: Path) -> Path:
+    """``summary.json`` and ``summary.md`` beside ``out`` (atomically); the JSON's path."""
+    summary = summarize(records, budgets)
+    path = out.with_name("summary.json")
+    write_text_atomic(path, json.dumps(summary, indent=2))
+    write_text_atomic(out.with_name("summary.md"), markdown(summary))
+    return path
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m experiments.studies.long_context", description=__doc__.split("\n\n")[0])
     p.add_argument("--pair", choices=["default", "tiny"], default="default")
@@ -100,7 +145,8 @@ def main(argv=None) -> None:
         (lambda n: torch.randint(0, vocab, (1, n), generator=g))
     machine = {"cpu": cpu_model(), "dtype": str(next(target.parameters()).dtype), "text": a.text,
                "max_new_tokens": a.max_new_tokens}
-    run(target, draft, prompt_for, contexts, budgets, a.max_new_tokens, Path(a.out), machine)
+    records = run(target, draft, prompt_for, contexts, budgets, a.max_new_tokens, Path(a.out), machine)
+    print(f"summary: {write_summary([r for r in records if r['asked_context'] in contexts], budgets, Path(a.out))}")
 
 
 if __name__ == "__main__":
