@@ -72,12 +72,16 @@ def rope_settings(raw: dict[str, Any]) -> tuple[float | None, dict[str, Any] | N
 
 def target_rope(target_config) -> tuple[float, dict[str, Any] | None]:
     """(theta, scaling) of a Hugging Face target config object, in either transformers format (4.x or 5.x). A target
-    with a rotary per layer kind (Gemma 3: local and global) gives its full-attention layers' rotary."""
-    raw = {k: getattr(target_config, k, None) for k in ("rope_theta", "rope_scaling", "rope_parameters",
-                                                         "partial_rotary_factor")}
+    with a rotary per layer kind (Gemma 3: local and global) gives its full-attention layers' rotary. A partial
+    rotary (Qwen3-Next, Qwen3.5: a quarter of each head) describes the target's heads, not a drafter's, which
+    rotates its whole head: it is left out."""
+    raw = {k: getattr(target_config, k, None) for k in ("rope_theta", "rope_scaling", "rope_parameters")}
     per_kind = raw.get("rope_parameters")
     if isinstance(per_kind, dict) and per_kind and all(isinstance(v, dict) for v in per_kind.values()):
         raw["rope_parameters"] = per_kind.get("full_attention") or next(iter(per_kind.values()))
+    for key in ("rope_parameters", "rope_scaling"):  # 5.x may also show rope_parameters as rope_scaling
+        if isinstance(raw.get(key), dict):
+            raw[key] = {k: v for k, v in raw[key].items() if k != "partial_rotary_factor"}
     theta, scaling = rope_settings({k: v for k, v in raw.items() if v is not None})
     if theta is None:
         theta = float(getattr(target_config, "default_theta", None) or DEFAULT_ROPE_THETA)

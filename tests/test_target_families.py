@@ -250,3 +250,19 @@ def test_a_random_drafter_for_gemma_takes_the_full_attention_layers_rotary():
     assert kinds["full_attention"]["rope_theta"] != kinds["sliding_attention"]["rope_theta"]
     assert target_rope(target.config)[0] == kinds["full_attention"]["rope_theta"]
     assert random_draft(target, taps=2).config.rope_theta == kinds["full_attention"]["rope_theta"]
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_a_random_drafter_for_a_hybrid_target_takes_its_theta_not_its_partial_rotary(family):
+    from dflash_core.config import target_rope
+    from experiments.bench.models import random_draft
+
+    target = sliding_target(family, dtype=torch.float32)
+    assert target.config.rope_parameters.get("partial_rotary_factor", 1.0) < 1.0  # the target rotates part of a head
+    theta = target.config.rope_parameters["rope_theta"]
+    assert target_rope(target.config) == (theta, None)
+    draft = random_draft(target, taps=2, block_size=6)
+    assert draft.config.rope_theta == theta
+    p = prompt(4, 9, 48)
+    assert ddtree_generate(target, draft, p, budget=8, max_new_tokens=12).new_token_ids == \
+        autoregressive_generate(target, p, 12).new_token_ids
