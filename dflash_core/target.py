@@ -337,7 +337,9 @@ class TargetAdapter:
                 if split < width:
                     layer.commit([n - 1 - split if n > split else -1 for n in lengths], lengths)
                 layer.lengths, layer.before = list(lengths), None
-        return TargetOutput(torch.stack(logits), None if features[0] is None else torch.cat(features, dim=1))
+        if features[0] is not None and len(features) > 1:
+            features = [torch.cat(features, dim=1)]
+        return TargetOutput(torch.stack(logits), features[0])
 
     def masks(self, visible: torch.Tensor, position_ids: torch.Tensor):
         """The model's attention mask for ``visible`` [B, n, S + n] (cache slots, then the new tokens): one additive
