@@ -8,7 +8,13 @@ Each round two sources propose token paths below the root:
   match of the committed suffix, of match length ``n``; its node at depth ``k`` gets the estimate ``a_n(k)``, the
   probability that the target accepts the continuation through depth ``k``, learned online: ``a_n(k) =
   prod_{j <= k} p_n(j)`` with ``p_n(j)`` the share of rounds (match length ``n``) whose walk, having accepted the
-  continuation through depth ``j - 1``, also accepted depth ``j`` (a Beta(1, 1) prior per cell).
+  continuation through depth ``j - 1``, also accepted depth ``j``. Depth 1 (does the match continue at all) has a
+  Beta(1, 1) prior; a deeper cell is shrunk towards its match length's pooled rate over all depths >= 2 (``PRIOR``
+  pseudo-trials), so a depth the rounds have rarely reached is priced like the depths they have.
+
+The continuation needs no drafter row: it runs past the drafter's block (``num_tokens``, default 32, against a
+16-position block whose tree is at most 15 deep) wherever the context continues, and ``auto`` decides with its cost
+curve how much of it a round verifies, drafter or not.
 
 A token path proposed by both sources is one node whose value is the larger of the two estimates. The tree keeps the
 ``budget`` nodes of largest value. **Why that is the best tree under these estimates**: the expected number of
@@ -95,9 +101,12 @@ class LookupTreePolicy(BlockPolicy):
     uses_draft = True
     SKIP_PRIOR = 0.85  # a round without the drafter pass, relative to one with it, before any was timed
     WINDOW = 64  # rounds of each kind the rates are taken over
+    PRIOR = 2.0  # pseudo-trials at the pooled rate of a continuation depth >= 2 (module docstring)
 
-    def __init__(self, budget: int | AutoBudget, max_ngram: int = 3, num_tokens: int = 10,
+    def __init__(self, budget: int | AutoBudget, max_ngram: int = 3, num_tokens: int = 32,
                  clock=None) -> None:
+        if num_tokens < 1:
+            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
         self.auto = budget if isinstance(budget, AutoBudget) else None
         if self.auto is not None and self.auto.chain:
             raise ValueError("lookup branches join trees: use budget='auto', not 'chain-auto'")
@@ -131,6 +140,12 @@ class LookupTreePolicy(BlockPolicy):
         n, continuation = self.index.continuation(self.num_tokens)
         return n, continuation, self.estimates(n, len(continuation)) if n and continuation else []
 
+    def _alone(self, estimates: list[float]) -> int:
+        """How much of the continuation a round without the drafter verifies: all of it within the budget; under
+        ``auto``, the prefix its cost curve prices best (the same rule as for a tree)."""
+        m = min(len(estimates), self.budget)
+        return self.auto.choose(np.asarray(estimates[:m])) if self.auto is not None and m else m
+
     def _skip_pays(self, estimates: list[float]) -> bool:
         drafted = self._timed[False]
         if not estimates or len(drafted) < 4:
@@ -140,18 +155,21 @@ class LookupTreePolicy(BlockPolicy):
         alone = self._timed[True]
         round_s = (sorted(s for s, _ in alone)[len(alone) // 2] if alone
                    else self.SKIP_PRIOR * seconds / len(drafted))
-        return (1.0 + sum(estimates[: self.budget])) / max(round_s, 1e-12) > rate
+        return (1.0 + sum(estimates[: self._alone(estimates)])) / max(round_s, 1e-12) > rate
 
     @property
     def calibration_s(self) -> float:
         return self.auto.calibration_s if self.auto is not None else 0.0
 
     def estimates(self, n: int, m: int) -> list[float]:
-        """a_n(1..m): the learned probability that the target accepts a match-length-n continuation through depth k."""
+        """a_n(1..m): the learned probability that the target accepts a match-length-n continuation through depth k
+        (the module docstring: depth 1 on its own, deeper cells shrunk towards their pooled rate)."""
+        cells = self.counts[n]
+        pooled = (sum(h for h, _ in cells[2:]) + 1) / (sum(t for _, t in cells[2:]) + 2)
         out, a = [], 1.0
         for k in range(1, m + 1):
-            hits, trials = self.counts[n][k]
-            a *= (hits + 1) / (trials + 2)
+            hits, trials = cells[k]
+            a *= (hits + 1) / (trials + 2) if k == 1 else (hits + self.PRIOR * pooled) / (trials + self.PRIOR)
             out.append(a)
         return out
 
@@ -162,7 +180,7 @@ class LookupTreePolicy(BlockPolicy):
         self._lookup = None
         self.skipped.append(block is None)
         if block is None:  # the drafter was skipped: the continuation alone (values: its estimates)
-            m = min(len(continuation), self.budget)
+            m = self._alone(estimates) if estimates else min(len(continuation), self.budget)
             self._drafter_nodes, self._round = {}, ((n, list(range(m))) if m else None)
             log_p = [math.log(max(a, 1e-300)) for a in estimates[:m]]
             return DraftTree(torch.tensor(continuation[:m], dtype=torch.long), torch.arange(-1, m - 1),

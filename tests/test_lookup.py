@@ -180,3 +180,57 @@ def test_lookup_tree_skips_the_drafter_where_the_continuation_pays_and_stays_exa
     no_clock = LookupTreePolicy(8)
     speculative_generate(target, draft, p, no_clock, 60, temperature=temperature, seed=3)
     assert not any(no_clock.skipped)  # without a clock every round drafts (replayable)
+
+
+def test_deep_continuation_cells_take_their_match_lengths_pooled_rate():
+    """Depth 1 keeps its own Beta(1, 1) estimate; a deeper cell never tried is priced at the pooled rate of the
+    depths >= 2 that were tried (not at the 1/2 of a flat prior), and a tried cell moves towards its own share."""
+    from ddtree.lookup import LookupTreePolicy
+
+    policy = LookupTreePolicy(8, max_ngram=2, num_tokens=6)
+    policy.counts[2][1] = [9, 10]  # depth 1: 9 of 10 rounds
+    policy.counts[2][2] = [17, 18]  # depth 2: 17 of 18; deeper depths never tried
+    pooled = (17 + 1) / (18 + 2)
+    first = (9 + 1) / (10 + 2)
+    second = (17 + policy.PRIOR * pooled) / (18 + policy.PRIOR)
+    want = [first, first * second] + [first * second * pooled ** k for k in range(1, 5)]
+    assert policy.estimates(2, 6) == pytest.approx(want)
+    assert policy.estimates(1, 3) == pytest.approx([0.5, 0.25, 0.125])  # nothing learnt for n = 1: flat
+
+
+def _cycling_target(vocab: int = 16, hidden: int = 32):
+    """A tiny Llama that mostly continues a fixed cycle of its vocabulary (next token = (t + 5) mod vocab): one-hot
+    embeddings, the layers' outputs scaled down, an LM head that maps each token to the next in the cycle; a context
+    that holds the cycle is then continued as far as a lookup reaches."""
+    target = make_target("llama", vocab=vocab, hidden=hidden, init=0.2)
+    with torch.no_grad():
+        for layer in target.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.05)
+            layer.mlp.down_proj.weight.mul_(0.05)
+        target.model.embed_tokens.weight.copy_(torch.eye(vocab, hidden))
+        target.lm_head.weight.zero_()
+        for t in range(vocab):
+            target.lm_head.weight[(t + 5) % vocab, t] = 3.0
+    return target
+
+
+@pytest.mark.parametrize("budget", [48, "auto"])
+def test_lookup_branches_run_past_the_drafters_block_and_stay_exact(budget, monkeypatch):
+    """A drafter of block 5 drafts trees at most 4 deep, and the continuation used to stop at 10 tokens. On a
+    context the target continues, the continuation now goes deeper in the same tree (it needs no drafter row):
+    rounds commit more than 11 tokens, ``auto`` included (its learnt estimates price the deep nodes), and the
+    output is the target's."""
+    from conftest import make_draft, steady_clocks
+    from ddtree import ddtree_generate
+
+    steady_clocks(monkeypatch)
+    target = _cycling_target()
+    draft = make_draft(target, block_size=5)
+    p = torch.tensor([[(5 * i) % 16 for i in range(40)]])
+    ref = autoregressive_generate(target, p, 120)
+    assert ref.new_token_ids[:32] == [(5 * i) % 16 for i in range(40, 72)]  # the target does continue the cycle
+    got = ddtree_generate(target, draft, p, budget=budget, max_new_tokens=120, lookup=True, check_trees=True,
+                          trace=True)
+    assert got.new_token_ids == ref.new_token_ids
+    assert max(int(t.depths.max()) for t in got.trees if len(t)) > 10
+    assert max(got.acceptance_lengths) > 11

@@ -14,7 +14,8 @@ included), after one untimed warm-up of each method:
   ours where a 4-bit product rounds a near-tie the other way (reported: tokens equal to ``ar`` and the first
   difference);
 * ``dflash``, ``ddtree_auto``, ``ddtree_lookup`` -- the shipped drafter's chain, DDTree with ``budget="auto"``, and
-  DDTree ``auto`` with lookup branches.
+  DDTree ``auto`` with lookup branches; ``ddtree_8``, ``ddtree_16``, ``ddtree_lookup8`` (asked for with
+  ``--methods``) -- fixed budgets, to pair ``auto`` with the best fixed budget on the same prompts.
 
 Besides whole-call rates, the decode rate after the first token (ms per token of the rest; the prompt's forward and
 the first token are the prefill: ours from the loop's own timing, llama.cpp's up to its first token; transformers'
@@ -47,7 +48,7 @@ __all__ = ["METHODS", "DEFAULT_METHODS", "make_generator", "compare_prompts", "p
            "make_ours", "memory_floor", "summarize", "main"]
 
 DEFAULT_METHODS = ("ar", "hf_greedy", "llama_cpp", "dflash", "ddtree_auto", "ddtree_lookup")
-METHODS = DEFAULT_METHODS + ("pld", "hf_pld")
+METHODS = DEFAULT_METHODS + ("pld", "hf_pld", "ddtree_8", "ddtree_16", "ddtree_lookup8")
 DEFAULT_DATASETS = ("gsm8k", "humaneval", "mt-bench", "grounded")
 VERIFY_NODES = (1, 2, 4, 8, 16, 32, 64)
 HF_PLD_TOKENS = 10  # transformers' prompt_lookup_num_tokens
@@ -219,8 +220,9 @@ def make_ours(method: str, target, draft, stop_token_ids: Sequence[int]) -> Call
     """Our speculative methods as ``run(ids, max_new_tokens) -> (new ids, {"rounds", "tau"})``."""
     from ddtree import ddtree_generate
 
-    settings = {"dflash": {"budget": "chain"}, "ddtree_auto": {"budget": "auto"},
-                "ddtree_lookup": {"budget": "auto", "lookup": True}}[method]
+    settings = {"dflash": {"budget": "chain"}, "ddtree_auto": {"budget": "auto"}, "ddtree_8": {"budget": 8},
+                "ddtree_16": {"budget": 16}, "ddtree_lookup": {"budget": "auto", "lookup": True},
+                "ddtree_lookup8": {"budget": 8, "lookup": True}}[method]
     stops = [int(s) for s in stop_token_ids]
 
     def run(ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], dict]:
