@@ -65,17 +65,19 @@ BUILD_LOOKBACK = 16  # rounds
 @dataclass(frozen=True)
 class Round:
     """What one verified round tells the policy: the drafter's path log-probabilities and depths of the verified
-    nodes, which of them the target accepted, and the round's modeled seconds."""
+    nodes, which of them the target accepted, the round's modeled seconds, and the accepted nodes that were not the
+    drafter's (``extra``: a lookup branch's, :mod:`ddtree.lookup`): they count in the rate, not in the calibration."""
 
     log_p: np.ndarray  # [n] float64
     depths: np.ndarray  # [n] int
     accepted: np.ndarray  # [n] bool: node on the accepted path
     seconds: float
+    extra: int = 0  # accepted tokens from nodes that are not the drafter's
 
     @property
     def tokens(self) -> int:
-        """Tokens the round committed: the accepted draft tokens and the bonus."""
-        return int(self.accepted.sum()) + 1
+        """Tokens the round committed: the accepted draft tokens (the drafter's and any others) and the bonus."""
+        return int(self.accepted.sum()) + self.extra + 1
 
 
 class RoundMemory:
@@ -316,7 +318,8 @@ class AutoBudget(BlockPolicy):
 
     def store_round(self, committed_draft_tokens: int, drafter_path: list[int]) -> None:
         """Store the verdict on the round held: the target accepted ``committed_draft_tokens`` draft tokens, of
-        which ``drafter_path`` are the held drafter nodes (indices among them)."""
+        which ``drafter_path`` are the held drafter nodes (indices among them); the rest (a lookup branch's) count
+        in the rate the next rounds are sized against."""
         if self._timing is not None:
             self._timing[3] = committed_draft_tokens + 1  # with the bonus: the history grows by this much
         if self._held is None:
@@ -325,7 +328,7 @@ class AutoBudget(BlockPolicy):
         self._held = None
         accepted = np.zeros(len(log_p), dtype=bool)
         accepted[np.asarray(drafter_path, dtype=int)] = True
-        self.memory.append(Round(log_p, depths, accepted, seconds))
+        self.memory.append(Round(log_p, depths, accepted, seconds, committed_draft_tokens - len(drafter_path)))
 
     def _time_round(self, now: float, length: int) -> None:
         """The previous round ended now: feed its wall time to the online curve when it was one round of the same

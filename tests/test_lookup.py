@@ -136,6 +136,12 @@ def test_auto_with_lookup_ranks_both_sources_and_learns_from_the_drafters_nodes(
     (remembered,) = list(policy.auto.memory)
     assert set(np.flatnonzero(remembered.accepted)) == {drafter[i] for i in path if i in drafter}
     assert len(remembered.accepted) == len(drafter)
+    # ... but every accepted token counts in the rate the next rounds are sized against: (5, 6) and the bonus too
+    assert remembered.tokens == len(path) + 1 and auto_tokens(policy) == len(path) + 1
+
+
+def auto_tokens(policy) -> int:
+    return policy.auto.memory.tokens
 
 
 def _paths(tree):
