@@ -39,7 +39,7 @@ import torch
 from dflash_core import decoding
 from dflash_core.cpu_kernels import active_kernels
 from dflash_core.target import TargetAdapter
-from dflash_core.timing import cache_path, cached_json, machine_key, median_seconds, read_cached_json
+from dflash_core.timing import cache_path, cached_json, machine_key, read_cached_json, time_samples
 from dflash_core.tree import DraftTree
 
 from .build import best_tree, build_tree
@@ -284,9 +284,8 @@ def _round_seconds(adapter: TargetAdapter, draft, grid: tuple[int, ...], context
     ``context``-token caches (:class:`~dflash_core.decoding.LiveModels`, as the loop runs it; one sequence is a
     batch of one): its verify forward with every sequence's N-node tree, the walks and the commit of an accepted
     path that is not a prefix (so the commit really gathers); and its drafter pass for all plus one cap tree per
-    sequence. Verify seconds are the smaller of two medians taken in two passes over the grid (other processes only
-    ever slow a step down, and a burst of their work then lands in one pass, not in every repeat); each is divided
-    by ``batch``."""
+    sequence. Each is the median of ``2 * repeats`` timings taken with every size in turn (:func:`time_samples`),
+    divided by ``batch``."""
     vocab, new = adapter.vocab_size, min(4, context - 1)
     prompts = [torch.randint(0, vocab, (1, context), generator=gen) for _ in range(batch)]
     models, _ = decoding.LiveModels.prefilled(adapter, draft, prompts, draft is not None)
@@ -316,18 +315,20 @@ def _round_seconds(adapter: TargetAdapter, draft, grid: tuple[int, ...], context
             rewind()
 
         runs.append(run)
-    first = [median_seconds(run, repeats, adapter.device, warmup=1) for run in runs]  # warm-up: each shape once
-    second = [median_seconds(run, repeats, adapter.device, warmup=0) for run in runs]
-    verify = tuple(min(a, b) / batch for a, b in zip(first, second))
+    if draft is not None:
+        def draft_round():  # the drafter pass and every sequence's tree at the cap (the tree auto chooses a prefix of)
+            for block, root in zip(models.draft(seqs, roots), roots):
+                best_tree(block, cap, chain)
+            rewind()
+
+        runs.append(draft_round)
+    # every size in turn, repeat after repeat (each shape once untimed first): a machine whose speed drifts (memory
+    # bandwidth shared with other tenants moves by 20% within seconds) slows every size alike, so the curve's shape,
+    # what auto's choices read, stays right; the online correction follows its level
+    seconds = [statistics.median(s) / batch for s in time_samples(runs, 2 * repeats, adapter.device, warmup=1)]
     if draft is None:
-        return verify, 0.0
-
-    def draft_round():  # the drafter pass and every sequence's tree at the cap (the tree auto chooses a prefix of)
-        for block, root in zip(models.draft(seqs, roots), roots):
-            best_tree(block, cap, chain)
-        rewind()
-
-    return verify, median_seconds(draft_round, repeats, adapter.device, warmup=1) / batch
+        return tuple(seconds), 0.0
+    return tuple(seconds[:-1]), seconds[-1]
 
 
 def calibrate(target, draft, contexts: Iterable[int] | None = None, cap: int | None = None, chain: bool = False,

@@ -104,7 +104,8 @@ def write_cached_json(path: Path, obj) -> None:
 def time_samples(functions: Sequence[Callable[[], Any]], repeats: int, device: torch.device | str = "cpu",
                  warmup: int = 0) -> list[list[float]]:
     """Seconds of each of ``repeats`` calls of every function, after ``warmup`` untimed rounds; the functions are
-    called in turn, so machine noise hits all of them alike. On CUDA each call is timed by a pair of events on the
+    called in turn, forwards in even repeats and backwards in odd ones, so machine noise hits all of them alike and
+    a steady drift in the machine's speed cancels over each pair of repeats. On CUDA each call is timed by a pair of events on the
     current stream of ``device`` (not of whichever GPU is current: the model may run on another), and the device is
     synchronised once per repeat; elsewhere by perf_counter."""
     device = torch.device(device)
@@ -112,24 +113,25 @@ def time_samples(functions: Sequence[Callable[[], Any]], repeats: int, device: t
         for fn in functions:
             fn()
     samples: list[list[float]] = [[] for _ in functions]
-    for _ in range(repeats):
+    for repeat in range(repeats):
+        order = range(len(functions)) if repeat % 2 == 0 else range(len(functions) - 1, -1, -1)
         if device.type == "cuda":
             stream = torch.cuda.current_stream(device)
             events = []
-            for fn in functions:
+            for i in order:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record(stream)
-                fn()
+                functions[i]()
                 end.record(stream)
-                events.append((start, end))
+                events.append((i, start, end))
             torch.cuda.synchronize(device)
-            for times, (start, end) in zip(samples, events):
-                times.append(start.elapsed_time(end) / 1000.0)
+            for i, start, end in events:
+                samples[i].append(start.elapsed_time(end) / 1000.0)
         else:
-            for fn, times in zip(functions, samples):
+            for i in order:
                 t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
+                functions[i]()
+                samples[i].append(time.perf_counter() - t0)
     return samples
 
 

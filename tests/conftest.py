@@ -88,7 +88,7 @@ def isolated_caches(request, tmp_path_factory, monkeypatch):
 
     No test branches on the wall clock either: the round clocks of ``ddtree_generate(lookup=True)`` and ``auto``'s
     online curve tick (:func:`steady_clocks`), and the cost curves ``auto`` measures are a fixed calibration
-    (:func:`fixed_timer`: every timed call still runs, each costs ``FIXED_SECONDS``) unless a test is marked
+    (:func:`fixed_samples`: every timed call still runs, each costs ``FIXED_SECONDS``) unless a test is marked
     ``measured``. Which branch a test exercises (skip the drafter or not, the tree size) is then the same on an idle
     and on a loaded machine."""
     import ddtree.cost
@@ -101,20 +101,21 @@ def isolated_caches(request, tmp_path_factory, monkeypatch):
     monkeypatch.setenv("DDTREE_CACHE", str(mine))
     steady_clocks(monkeypatch)
     if request.node.get_closest_marker("measured") is None:
-        monkeypatch.setattr(ddtree.cost, "median_seconds", fixed_timer)
+        monkeypatch.setattr(ddtree.cost, "time_samples", fixed_samples)
     yield
 
 
 FIXED_SECONDS = 1e-3
 
 
-def fixed_timer(fn, repeats: int, device=None, warmup: int = 0) -> float:
-    """The stand-in for :func:`dflash_core.timing.median_seconds` in tests: runs ``fn`` as often as the real timer
-    (so what a measurement does is still checked) and reports ``FIXED_SECONDS``: a flat, load-free cost curve, on
-    which ``auto`` verifies trees of more than one node."""
+def fixed_samples(functions, repeats: int, device=None, warmup: int = 0) -> list[list[float]]:
+    """The stand-in for :func:`dflash_core.timing.time_samples` in tests: runs every function as often as the real
+    timer (so what a measurement does is still checked) and reports ``FIXED_SECONDS`` per call: a flat, load-free
+    cost curve, on which ``auto`` verifies trees of more than one node."""
     for _ in range(warmup + repeats):
-        fn()
-    return FIXED_SECONDS
+        for fn in functions:
+            fn()
+    return [[FIXED_SECONDS] * repeats for _ in functions]
 
 
 class TickClock:

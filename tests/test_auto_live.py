@@ -40,3 +40,17 @@ def test_summary_by_hand():
     assert s["auto"]["over_first"] == pytest.approx([1.2, 0.75])
     assert s["auto"]["chosen"] == 7.0 and s["auto"]["modeled_over_real"] == pytest.approx(0.95)
     assert s["B8"]["over_first_geomean"] == 1.0 and "chosen" not in s["B8"]
+
+
+def test_merge_pools_decode_time_over_a_variants_calls():
+    """Tokens/s over repeated calls is total tokens over total seconds (a slow pass weighs as long as it lasted),
+    not the mean of the rates; the other numbers are means and the first call's ids are kept."""
+    from experiments.studies.auto_live import merge
+
+    def rec(tokens, seconds, tau, ids):
+        return {"tok_s": tokens / seconds, "tau": tau, "rounds": 4, "tokens": tokens, "decode_s": seconds,
+                "ms_per_round": {s: seconds for s in STAGES}, "ids": ids}
+    merged = merge([rec(96, 2.0, 3.0, [1, 2]), rec(96, 6.0, 2.0, [1, 3])])
+    assert merged["tok_s"] == pytest.approx(192 / 8.0)  # the mean of the rates would be 32
+    assert merged["tau"] == 2.5 and merged["ids"] == [1, 2] and merged["calls"] == 2
+    assert merged["ms_per_round"]["verify"] == 4.0

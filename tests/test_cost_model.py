@@ -1,6 +1,7 @@
 """The budget cost model: whole rounds timed at the caller's context, auto's context buckets, GPU profiles."""
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -109,3 +110,56 @@ def test_a_slow_point_does_not_flatten_the_curve():
     curve = CostModel(nodes, slowed, 0.006)
     assert curve.verify(64) > 1.5 * curve.verify(1)  # 64 nodes still cost more than one
     assert curve.verify(128) == pytest.approx(0.190) and curve.verify(0) < 0.161
+
+
+class _DriftingClock:
+    """A fake ``time`` module for :mod:`dflash_core.timing`: each timed call lasts its function's cost times a machine
+    speed factor that drifts up by ``drift`` per call (a slowly busier machine)."""
+
+    def __init__(self, drift: float) -> None:
+        self.now, self.calls, self.drift = 0.0, 0, drift
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def run(self, cost: float) -> None:
+        self.now += cost * (1.0 + self.drift * self.calls)
+        self.calls += 1
+
+
+def test_interleaved_timings_keep_the_ratios_under_a_steady_drift(monkeypatch):
+    """Functions timed together (the sizes of one cost curve) keep their true cost ratios on a machine whose speed
+    drifts steadily: called in turn, forwards then backwards, every function sees the same average speed. (Called
+    forwards only, as before, the later functions of each repeat ran slower: the curve's shape bent.)"""
+    import dflash_core.timing as timing
+
+    clock = _DriftingClock(0.02)
+    monkeypatch.setattr(timing, "time", clock)
+    costs = [1.0, 1.5, 2.0, 4.0, 8.0]
+    for repeats in (2, 4, 6):
+        samples = timing.time_samples([lambda c=c: clock.run(c) for c in costs], repeats, warmup=1)
+        medians = [statistics.median(s) for s in samples]
+        assert all(len(s) == repeats for s in samples)
+        assert [m / medians[0] for m in medians] == pytest.approx(costs, rel=1e-9)
+
+
+def test_a_cost_curve_times_every_size_and_the_drafter_round_together(monkeypatch):
+    """One interleaved measurement holds every grid size and the drafter's round (so a change in the machine's speed
+    during it moves the whole curve, not its shape), each timed 2 x ``repeats`` times after one untimed call."""
+    import ddtree.cost as cost
+
+    calls = []
+
+    def samples(functions, repeats, device=None, warmup=0):
+        calls.append((len(functions), repeats, warmup))
+        for _ in range(warmup + repeats):
+            for fn in functions:
+                fn()
+        return [[0.001 * (i + 1)] * repeats for i in range(len(functions))]
+
+    monkeypatch.setattr(cost, "time_samples", samples)
+    target = make_target("qwen3", vocab=64, dtype=torch.float32)
+    draft = make_draft(target, block_size=5)
+    curve = cost.measure_cost_model(target, draft, grid=(0, 2, 8), context=24, repeats=2, cap=16, use_cache=False)
+    assert calls == [(4, 4, 1)]
+    assert curve.verify_s == pytest.approx((0.001, 0.002, 0.003)) and curve.fixed_s == pytest.approx(0.004)

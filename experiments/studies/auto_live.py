@@ -10,7 +10,9 @@ prompt, outputs checked equal. Variants (``--variants``):
 * ``auto_mem``    -- with one :class:`ddtree.RoundMemory` carried from prompt to prompt (as a benchmark or a server);
 * ``auto_fresh``  -- with a cost curve measured now, in this process (not the cached one), per context bucket.
 
-Per variant: tokens per second of decoding (prefill excluded) and its per-prompt geometric-mean ratio to the first
+``--repeats 2`` runs each prompt's variants forwards and then backwards (A B B A) and pools their decode time: on a
+machine whose memory bandwidth moves by 20% within seconds (shared with other tenants), a single pass per prompt
+compares variants timed in different phases. Per variant: tokens per second of decoding (prefill excluded) and its per-prompt geometric-mean ratio to the first
 variant, tau, the loop's stage times per round (draft, tree, verify, commit), and for ``auto`` the mean tree size
 verified and built and the modeled round seconds against the real ones. Writes one JSON atomically.
 """
@@ -26,7 +28,7 @@ import time
 import numpy as np
 import torch
 
-__all__ = ["make_runner", "summarize", "main"]
+__all__ = ["make_runner", "merge", "summarize", "main"]
 
 STAGES = ("draft", "tree", "verify", "commit")
 
@@ -56,6 +58,7 @@ def make_runner(target, draft, stops: list[int]):
         res = ddtree_generate(target, draft, ids, max_new_tokens=max_new_tokens, stop_token_ids=stops, policy=pol)
         rounds = max(1, len(res.acceptance_lengths))
         record = {"tok_s": len(res.new_token_ids) / res.timings["decode"], "tau": res.tau, "rounds": rounds,
+                  "tokens": len(res.new_token_ids), "decode_s": res.timings["decode"],
                   "ms_per_round": {s: 1e3 * res.timings.get(s, 0.0) / rounds for s in STAGES},
                   "ids": res.new_token_ids}
         if hasattr(pol, "chosen"):
@@ -64,6 +67,17 @@ def make_runner(target, draft, stops: list[int]):
                           modeled_over_real=modeled / res.timings["decode"], memory_rounds=len(pol.memory))
         return record
     return run
+
+
+def merge(records: list[dict]) -> dict:
+    """One variant's calls on one prompt as one record: tokens/s over all of them (total tokens / total decode
+    seconds), the first call's ids, the mean of every other number."""
+    first = records[0]
+    out = {k: statistics.fmean(r[k] for r in records) for k, v in first.items() if isinstance(v, (int, float))}
+    out["ms_per_round"] = {s: statistics.fmean(r["ms_per_round"][s] for r in records) for s in STAGES}
+    out["tok_s"] = sum(r["tokens"] for r in records) / sum(r["decode_s"] for r in records)
+    out["ids"], out["calls"] = first["ids"], len(records)
+    return out
 
 
 def summarize(rows: list[dict], variants: list[str]) -> dict:
@@ -89,6 +103,9 @@ def main(argv=None) -> None:
     p.add_argument("--max-samples", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--variants", default="B8,auto,auto_mem")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="passes over the variants per prompt, forwards then backwards (2: A B B A), so a machine "
+                        "whose speed drifts within seconds times every variant alike")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="runs/auto_live.json")
     args = p.parse_args(argv)
@@ -110,7 +127,11 @@ def main(argv=None) -> None:
     for i, (ids, label) in enumerate(zip(prompts, labels)):
         ids = torch.as_tensor(ids).reshape(1, -1)
         order = variants[i % len(variants):] + variants[:i % len(variants)]
-        row = {v: run(v, ids, args.max_new_tokens) for v in order}
+        calls = {v: [] for v in variants}
+        for k in range(args.repeats):
+            for v in order if k % 2 == 0 else order[::-1]:
+                calls[v].append(run(v, ids, args.max_new_tokens))
+        row = {v: merge(calls[v]) for v in variants}
         reference = row[variants[0]]["ids"]
         row["equal"] = {v: row[v].pop("ids") == reference for v in variants}
         rows.append({"label": label, **row})
