@@ -12,8 +12,8 @@ Curves are cached (:func:`dflash_core.timing.cached_json`) per machine (CPU, thr
 device, model pair, dtype, CPU kernels, proposal kind, cap and context length; a prompt's context length is rounded up
 to its bucket (:func:`context_bucket`, powers of two). :func:`calibrate` measures every bucket once per machine, ahead
 of any timed generation; ``auto`` then asks ``measure_cost_model(..., extrapolate=True)``, which reads the bucket, or
-derives a bucket nobody measured from those measured (:func:`across_contexts`), and only measures when none is cached
-(logged on the ``ddtree`` logger, and reported by the policy as ``calibration_s``). A GPU profile written by
+derives a bucket nobody measured from those measured (:func:`across_contexts`: between or below measured lengths, or
+past them where the bucket cannot be measured on the target), and otherwise measures it (logged on the ``ddtree`` logger, and reported by the policy as ``calibration_s``). A GPU profile written by
 ``experiments.studies.gpu_check`` can stand in (:meth:`CostModel.from_profile`).
 
 A measured curve is a starting point: :class:`OnlineCost` corrects it from the loop's own round timings, and
@@ -220,7 +220,8 @@ def measure_cost_model(target, draft, grid: Sequence[int] | None = None, context
 
     Cached per machine, models, dtype, kernels, kind, ``context`` and ``cap`` under ``$XDG_CACHE_HOME/ddtree/costs``
     (``use_cache=False``: always measure, write nothing). ``extrapolate=True``: a context nobody measured is derived
-    from the contexts measured for the same models (:func:`across_contexts`), measuring only when none is cached.
+    from the contexts measured for the same models (:func:`across_contexts`) when one at least as long was measured
+    (or this one cannot be: ``context`` plus the largest tree past the target's positions); else it is measured now.
     A measurement is logged; its seconds are in the result's ``measured_s``.
 
     ``batch`` > 1: the round of a batch of that many sequences, each with its own N-node tree on its own
@@ -240,7 +241,10 @@ def measure_cost_model(target, draft, grid: Sequence[int] | None = None, context
 
     if use_cache and extrapolate and batch == 1 and read_cached_json(cache_path("costs", name), load) is None:
         measured = _cached_contexts(key, cap, grid)
-        if measured:
+        fits = context + max(grid) + 1 <= _positions(target)
+        # derived only within or below what was measured, or where this context cannot be measured: a curve carried
+        # far past the longest measured context would price a node's attention over a cache many times shorter
+        if measured and (not fits or max(c.context for c in measured) >= context):
             log.info("cost curve at %d context tokens derived from the ones measured at %s", context,
                      sorted(c.context for c in measured))
             return across_contexts(measured, context)
@@ -255,6 +259,11 @@ def measure_cost_model(target, draft, grid: Sequence[int] | None = None, context
         return CostModel(grid, verify, fixed, key, context, measured_s=seconds)
 
     return cached_json("costs", name, measure, load, CostModel.to_json, use_cache)
+
+
+def _positions(target) -> int:
+    """The longest sequence ``target`` takes (its ``max_position_embeddings``; 32768 when it names none)."""
+    return int(getattr(target.config, "max_position_embeddings", None) or 32768)
 
 
 def _cached_contexts(key: str, cap: int, grid: tuple[int, ...]) -> list[CostModel]:
@@ -345,7 +354,7 @@ def calibrate(target, draft, contexts: Iterable[int] | None = None, cap: int | N
     device = target.lm_head.weight.device
     cap = default_cap(device) if cap is None else cap
     largest = max(default_grid(device, _rows(draft), chain))
-    limit = max_context or getattr(target.config, "max_position_embeddings", None) or 32768
+    limit = max_context or _positions(target)
     if contexts is None:
         wanted = [1 << k for k in range(6, max(6, int(limit).bit_length()) + 1)]
     else:

@@ -526,3 +526,19 @@ def test_the_build_grows_while_choices_fill_it():
         policy.observe(path)
     assert policy.built[0] == BUILD_FLOOR and policy.chosen == policy.built  # every build chosen whole
     assert policy.built == sorted(policy.built) and policy.built[-1] == CAP and policy.built[1] > BUILD_FLOOR
+
+
+def test_auto_measures_a_context_far_past_every_measured_one(monkeypatch, tmp_path, caplog):
+    """A curve measured at 64 tokens is no estimate for 256: a node's attention reads a cache 4x longer. ``auto``
+    derives a bucket only within or below the measured ones (or past them where the bucket cannot be measured on the
+    target); past them it measures. (Before, one measured bucket stood for every longer context.)"""
+    monkeypatch.setenv("DDTREE_CACHE", str(tmp_path))
+    target = make_target("llama", vocab=32, layers=2, dtype=torch.float32)
+    draft = make_draft(target, block_size=4)
+    assert calibrate(target, draft, contexts=[40], cap=8, repeats=1)[64].context == 64
+    far = AutoBudget.for_models(target, draft, cap=8, context=200)
+    assert far.calibration_s > 0 and far.cost.context == 256  # measured now, at its own bucket
+    below = AutoBudget.for_models(target, draft, cap=8, context=100)  # 128: between the measured 64 and 256
+    assert below.calibration_s == 0.0 and below.cost.context == 128
+    unmeasurable = AutoBudget.for_models(target, draft, cap=8, context=400)  # 512 + 128 nodes > 512 positions
+    assert unmeasurable.calibration_s == 0.0 and unmeasurable.cost.context == 512

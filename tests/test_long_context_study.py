@@ -26,14 +26,20 @@ def test_records_every_context_and_a_rerun_measures_only_the_missing(tmp_path, m
     assert [json.loads(line)["asked_context"] for line in out.read_text().splitlines()] == [20, 60, 90]
 
 
-def test_the_summary_table_and_figure(tmp_path):
+def test_the_summary_table_and_figure(tmp_path, monkeypatch):
     """After the last context: summary.json / summary.md with one row per context (ascending) and every method, and
-    the figure drawn from the JSON."""
+    the figure drawn from the JSON. ``auto``'s curves for every context are measured before the first timed call."""
     out = tmp_path / "long" / "long_context.jsonl"
+    events, real_calibrate, real_measure = [], study.calibrate, study.measure
+    monkeypatch.setattr(study, "calibrate", lambda *a, **k: events.append(("calibrate", k["contexts"])) or
+                        real_calibrate(*a, **k))
+    monkeypatch.setattr(study, "measure", lambda target, draft, ids, *a: events.append(("timed", ids.shape[1])) or
+                        real_measure(target, draft, ids, *a))
     study.main(["--pair", "tiny", "--text", "random", "--methods", "4,auto", "--max-new-tokens", "4", "--out",
                 str(out), "--contexts", "40,16"])
     summary = json.loads((out.parent / "summary.json").read_text())
     assert [r["context"] for r in summary["rows"]] == [16, 40]
+    assert events == [("calibrate", [40, 16]), ("timed", 40), ("timed", 16)]
     assert all(set(r["methods"]) == {"ddtree_4", "ddtree_auto"} and r["plain_step_ms"] > 0 for r in summary["rows"])
     table = (out.parent / "summary.md").read_text().splitlines()
     assert table[2].startswith("| context | plain step (ms)") and len(table) == 6 and "4: tok/s" in table[2]

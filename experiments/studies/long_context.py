@@ -3,7 +3,7 @@
 For each context length: plain decoding's step (milliseconds per token after the prefill), the prefill rate (prompt
 tokens per second) and, unless ``--methods`` leaves them out, DDTree at the given budgets (tokens per second over
 plain decoding's, tau, and whether the output equals plain decoding's). Methods run one after another on the same
-prompt. The prompt is the end of this repository's docs (README, docs/*.md) cut to the context length, as one user
+prompt; ``auto``'s cost curves are measured for every context's bucket before anything is timed. The prompt is the end of this repository's docs (README, docs/*.md) cut to the context length, as one user
 message with a summary request (``--text random``: random token ids, plain decoding only makes sense then). The
 embedded pair by default (``--pair tiny``: a random tiny pair, for smoke runs).
 
@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ddtree import ddtree_generate
+from ddtree.cost import calibrate
 from dflash_core import autoregressive_generate
 from dflash_core.timing import cpu_model
 from experiments.bench.schema import write_text_atomic
@@ -64,6 +65,10 @@ def run(target, draft, prompt_for, contexts: list[int], budgets: list, max_new_t
     done = [json.loads(line) for line in out.read_text().splitlines() if line.strip()] if out.is_file() else []
     have = {r["asked_context"] for r in done}
     autoregressive_generate(target, prompt_for(min(contexts))[:, :32], max_new_tokens=4)  # warm-up
+    todo = [c for c in contexts if c not in have]
+    if todo and any(b in ("auto", "chain-auto") for b in budgets):  # auto's curves, before anything is timed
+        for chain in sorted({b == "chain-auto" for b in budgets if b in ("auto", "chain-auto")}):
+            calibrate(target, draft, contexts=[int(prompt_for(c).shape[1]) for c in todo], chain=chain)
     for context in contexts:
         if context in have:
             continue
