@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 import numpy as np
+import torch
 
 from dflash_core.tree import BlockPolicy, DraftBlock, DraftTree
 
@@ -60,6 +61,10 @@ BUILD_GROWTH = 1.25  # ... else this many times the robust recent size
 BUILD_MARGIN = 2  # ... plus these nodes,
 BUILD_QUANTILE = 0.75  # the robust size: this quantile of the drafter nodes verified over the last
 BUILD_LOOKBACK = 16  # rounds
+SKIP_LOOKBACK = 32  # drafted rounds whose rate decides whether the drafter pays (AutoBudget.wants_draft)
+SKIP_AFTER = 16  # ... at least this many before a drafting policy begins to skip
+PROBE_EVERY = 16  # a policy that skips the drafter drafts again after this many rounds without it
+RESUME_AFTER = 4  # ... and drafts every round again once this many of those probes say drafting pays
 
 
 @dataclass(frozen=True)
@@ -210,6 +215,15 @@ class AutoBudget(BlockPolicy):
     corrects the curve with them (``online_cost``, the memory's :class:`~ddtree.cost.OnlineCost` of ``cost``).
     Without a clock (the default) nothing reads one: the same logits and feedback give the same choices
     (replayable). ``calibration_s``: seconds :meth:`for_models` spent measuring the curve (0.0 when cached).
+
+    A clocked policy also skips the drafter where it does not pay (:meth:`wants_draft`): when its recent drafted
+    rounds committed fewer tokens per second than plain steps would (one token per ``verify(0)`` of its curve: a
+    round of the root alone, without the drafter's pass), its rounds verify the root alone, with a probe round that
+    drafts every ``PROBE_EVERY + 1`` rounds; once the probes say drafting pays, it drafts every round again. On long
+    contexts or unpredictable text the drafter's pass then costs a probe's share instead of every round. Leaving
+    takes ``SKIP_AFTER`` drafted rounds and coming back ``RESUME_AFTER`` probes, so that the noise of a few rounds
+    (tokens per round vary from 1 to the block) neither stops a drafter that pays nor keeps one that does not.
+    ``skipped``: per round, whether it skipped the drafter.
     """
 
     uses_draft = True
@@ -231,6 +245,8 @@ class AutoBudget(BlockPolicy):
         self.chosen: list[int] = []  # tree size picked each round (for studies)
         self.built: list[int] = []  # nodes built each round (for studies)
         self._building = 0  # nodes built so far in the round in flight
+        self.skipped: list[bool] = []  # per round: the drafter skipped (for studies)
+        self._skipping, self._window = False, 0  # skipping now; memory.appended where the deciding rounds begin
 
     @classmethod
     def for_models(cls, target, draft, cap: int | None = None, cost: CostModel | None = None,
@@ -265,8 +281,37 @@ class AutoBudget(BlockPolicy):
             return None
         return self.memory.tokens / max(self.memory.seconds, 1e-12)
 
-    def propose(self, block: DraftBlock, history: list[int]) -> DraftTree:
-        """The prefix of the best-first tree (or chain) worth verifying this round."""
+    def wants_draft(self, history: list[int]) -> bool:
+        """Whether this round runs the drafter (class docstring). Without a clock: always. With one, the drafted
+        rounds since the policy last began skipping (at most ``SKIP_LOOKBACK``) decide: while drafting, it begins to
+        skip once ``SKIP_AFTER`` of them committed fewer tokens per second than plain steps; while skipping, it drafts
+        every ``PROBE_EVERY + 1``-th round (a probe) and drafts again once ``RESUME_AFTER`` probes say it pays."""
+        if self.clock is None:
+            return True
+        since = self.memory.appended - self._window
+        recent = list(itertools.islice(reversed(self.memory.rounds), min(since, SKIP_LOOKBACK)))
+        pays = sum(r.tokens for r in recent) * float(self.curve.verify(0)) >= sum(r.seconds for r in recent)
+        if not self._skipping:
+            if len(recent) >= SKIP_AFTER and not pays:
+                self._skipping, self._window = True, self.memory.appended  # the probes start a fresh window
+            return not self._skipping
+        if len(recent) >= RESUME_AFTER and pays:
+            self._skipping = False
+            return True
+        run = 0
+        for skipped in reversed(self.skipped):
+            if not skipped:
+                break
+            run += 1
+        return run >= PROBE_EVERY
+
+    def propose(self, block: DraftBlock | None, history: list[int]) -> DraftTree:
+        """The prefix of the best-first tree (or chain) worth verifying this round; ``block`` None (the drafter
+        skipped, :meth:`wants_draft`): the root alone, a plain step."""
+        self.skipped.append(block is None)
+        if block is None:
+            self._timing = None  # the next drafted round follows other work: not one timed round
+            return DraftTree.chain(torch.zeros(0, dtype=torch.long), torch.zeros(0))
         now = self.start_round(history)
         tree, probs = self.drafter_tree(block, self.next_build_size())
         n = self.choose(probs)

@@ -13,7 +13,10 @@ from experiments.studies.auto_live import STAGES, make_runner, summarize
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_runner_variants_decode_the_same_text_and_auto_mem_carries_its_memory():
+def test_runner_variants_decode_the_same_text_and_auto_mem_carries_its_memory(monkeypatch):
+    import ddtree.budget
+
+    monkeypatch.setattr(ddtree.budget, "SKIP_AFTER", 10**9)  # every round drafts and is remembered (the subject)
     target = make_target("llama", vocab=32, init=0.4)
     draft = make_draft(target, block_size=4)
     run = make_runner(target, draft, [])

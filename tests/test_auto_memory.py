@@ -40,7 +40,8 @@ def test_plain_auto_calls_start_fresh_and_size_their_trees_the_same(pair):
     assert looked_up[0] == looked_up[1]
 
 
-def test_a_memory_the_caller_holds_carries_over_to_the_next_call(pair):
+def test_a_memory_the_caller_holds_carries_over_to_the_next_call(pair, monkeypatch):
+    monkeypatch.setattr(ddtree.budget, "SKIP_AFTER", 10**9)  # every round drafts and is remembered (the subject)
     target, draft = pair
     p = prompt(40, 12, 8)
     fresh = ddtree_generate(target, draft, p, budget="auto", max_new_tokens=32)
@@ -74,10 +75,12 @@ def test_no_module_of_ddtree_keeps_mutable_state():
     assert found == []
 
 
-def test_the_benchmark_holds_one_memory_per_method_and_carries_it_over(pair):
+def test_the_benchmark_holds_one_memory_per_method_and_carries_it_over(pair, monkeypatch):
     """The benchmark session keeps one round memory per model pair (the session), method and temperature, and every
     generation of ``auto`` continues it; the throughput mode keeps one per method and batch size."""
     from types import SimpleNamespace
+
+    monkeypatch.setattr(ddtree.budget, "SKIP_AFTER", 10**9)  # every round drafts and is remembered (the subject)
 
     from experiments.bench.session import Session
     from experiments.bench.throughput import make_runner

@@ -22,7 +22,7 @@ from ddtree.budget import (
 )
 from ddtree.build import best_tree
 from ddtree.cost import CostModel, OnlineCost, across_contexts, calibrate, curve_error, measure_cost_model
-from dflash_core import autoregressive_generate
+from dflash_core import autoregressive_generate, decoding
 from dflash_core.model import MarkovHead, MarkovScorer
 from dflash_core.replay import replay
 from dflash_core.tree import DraftBlock
@@ -542,3 +542,74 @@ def test_auto_measures_a_context_far_past_every_measured_one(monkeypatch, tmp_pa
     assert below.calibration_s == 0.0 and below.cost.context == 128
     unmeasurable = AutoBudget.for_models(target, draft, cap=8, context=400)  # 512 + 128 nodes > 512 positions
     assert unmeasurable.calibration_s == 0.0 and unmeasurable.cost.context == 512
+
+
+def _skip_rounds(policy, clock, rounds, accept, history):
+    """Drive ``policy`` as the loop does, asking first whether to draft: a drafted round of n nodes takes its modeled
+    seconds and the target accepts up to ``accept`` nodes along the most probable path; a round without the drafter
+    takes ``verify(0)``. Returns the per-round drafted flags and the history."""
+    drafted = []
+    for _ in range(rounds):
+        wants = policy.wants_draft(history)
+        drafted.append(wants)
+        block = block_of(torch.randn(6, 40, generator=torch.Generator().manual_seed(len(history))) * 3 + 0,
+                         history[-1]) if wants else None
+        tree = policy.propose(block, history)
+        n = len(tree.token_ids)
+        clock.now += float(policy.cost.round_seconds(n)) if wants else float(policy.cost.verify(0))
+        path, node = [], -1
+        while len(path) < accept:
+            kids = [i for i in range(n) if int(tree.parents[i]) == node]
+            if not kids:
+                break
+            node = kids[0]
+            path.append(node)
+        policy.observe(path)
+        history = history + [5] * (len(path) + 1)
+    return drafted, history
+
+
+def test_auto_skips_the_drafter_where_it_does_not_pay_and_probes_to_come_back():
+    """A drafter pass of 20 ms in front of 10 ms plain steps pays only when a round commits more than 3 tokens. While
+    the target accepts nothing, a clocked ``auto`` verifies the root alone after ``SKIP_AFTER`` drafted rounds,
+    drafting one round in every ``PROBE_EVERY + 1``; once the target accepts 5 nodes a round, ``RESUME_AFTER``
+    probes see it and every round drafts again. Without a clock (replayable) it always drafts."""
+    from ddtree.budget import PROBE_EVERY, RESUME_AFTER, SKIP_AFTER
+
+    measured = CostModel((0, 4, 16, 32), (0.010, 0.011, 0.014, 0.020), fixed_s=0.020)
+    clock = FakeClock()
+    policy = AutoBudget(measured, cap=16, clock=clock)
+    drafted, history = _skip_rounds(policy, clock, 80, 0, [1, 2, 3])
+    first = drafted.index(False)
+    assert first == SKIP_AFTER
+    tail = drafted[first:]
+    assert [i for i, d in enumerate(tail) if d] == list(range(PROBE_EVERY, len(tail), PROBE_EVERY + 1))
+    assert policy.skipped[first:] == [not d for d in tail]
+    drafted, _ = _skip_rounds(policy, clock, 100, 5, history)
+    back = drafted.index(True) + RESUME_AFTER * (PROBE_EVERY + 1)  # the probes that tell it, then every round
+    assert all(drafted[back:]) and back < 90
+    replayable = AutoBudget(measured, cap=16)
+    assert all(_skip_rounds(replayable, FakeClock(), 40, 0, [1, 2, 3])[0])
+
+
+def test_auto_skipping_the_drafter_is_lossless_and_drafts_less():
+    """On the loop: a clocked ``auto`` whose drafter never pays (a random tiny drafter, a curve on which the drafter's
+    pass costs as much as a plain step) verifies the root alone in most rounds, runs the drafter only on its
+    warm-up and probes, and gives plain decoding's tokens."""
+    from conftest import TickClock
+
+    target = make_target("llama", vocab=64, dtype=torch.float32)
+    draft = make_draft(target, block_size=5)
+    p = prompt(7, 6, 64)
+    ref = autoregressive_generate(target, p, max_new_tokens=60).new_token_ids
+    curve = CostModel((0, 4, 16), (0.010, 0.011, 0.014), fixed_s=0.010)
+    drafts = []
+    real_draft = decoding.LiveModels.draft
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(decoding.LiveModels, "draft", lambda self, seqs, roots: drafts.append(len(seqs)) or
+                   real_draft(self, seqs, roots))
+        policy = AutoBudget(curve, cap=16, clock=TickClock().perf_counter)  # no test reads the wall clock
+        out = ddtree_generate(target, draft, p, max_new_tokens=60, policy=policy)
+    assert out.new_token_ids == ref
+    assert out.tau < 2 and sum(policy.skipped) > len(policy.skipped) / 2
+    assert len(drafts) == len(policy.skipped) - sum(policy.skipped)  # a skipped round runs no drafter pass
