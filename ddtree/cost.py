@@ -13,7 +13,8 @@ device, model pair, dtype, CPU kernels, proposal kind, cap and context length; a
 to its bucket (:func:`context_bucket`, powers of two). :func:`calibrate` measures every bucket once per machine, ahead
 of any timed generation; ``auto`` then asks ``measure_cost_model(..., extrapolate=True)``, which reads the bucket, or
 derives a bucket nobody measured from those measured (:func:`across_contexts`: between or below measured lengths, or
-past them where the bucket cannot be measured on the target), and otherwise measures it (logged on the ``ddtree`` logger, and reported by the policy as ``calibration_s``). A GPU profile written by
+past them where the bucket cannot be measured on the target), and otherwise measures it (logged on the ``ddtree``
+logger, and reported by the policy as ``calibration_s``). A GPU profile written by
 ``experiments.studies.gpu_check`` can stand in (:meth:`CostModel.from_profile`).
 
 A measured curve is a starting point: :class:`OnlineCost` corrects it from the loop's own round timings, and

@@ -105,9 +105,9 @@ def time_samples(functions: Sequence[Callable[[], Any]], repeats: int, device: t
                  warmup: int = 0) -> list[list[float]]:
     """Seconds of each of ``repeats`` calls of every function, after ``warmup`` untimed rounds; the functions are
     called in turn, forwards in even repeats and backwards in odd ones, so machine noise hits all of them alike and
-    a steady drift in the machine's speed cancels over each pair of repeats. On CUDA each call is timed by a pair of events on the
-    current stream of ``device`` (not of whichever GPU is current: the model may run on another), and the device is
-    synchronised once per repeat; elsewhere by perf_counter."""
+    a steady drift in the machine's speed cancels over each pair of repeats. On CUDA each call is timed by a pair of
+    events on the current stream of ``device`` (not of whichever GPU is current: the model may run on another), and
+    the device is synchronised once per repeat; elsewhere by perf_counter."""
     device = torch.device(device)
     for _ in range(warmup):
         for fn in functions:
