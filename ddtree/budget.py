@@ -37,6 +37,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -65,6 +66,7 @@ SKIP_LOOKBACK = 32  # drafted rounds whose rate decides whether the drafter pays
 SKIP_AFTER = 16  # ... at least this many before a drafting policy begins to skip
 PROBE_EVERY = 16  # a policy that skips the drafter drafts again after this many rounds without it
 RESUME_AFTER = 4  # ... and drafts every round again once this many of those probes say drafting pays
+PLAIN_TIMED = 3  # rounds without the drafter timed before their median prices a plain step (until then: verify(0))
 
 
 @dataclass(frozen=True)
@@ -223,7 +225,10 @@ class AutoBudget(BlockPolicy):
     contexts or unpredictable text the drafter's pass then costs a probe's share instead of every round. Leaving
     takes ``SKIP_AFTER`` drafted rounds and coming back ``RESUME_AFTER`` probes, so that the noise of a few rounds
     (tokens per round vary from 1 to the block) neither stops a drafter that pays nor keeps one that does not.
-    ``skipped``: per round, whether it skipped the drafter.
+    The rounds without the drafter are timed (from one :meth:`wants_draft` to the next): once ``PLAIN_TIMED`` were,
+    the median of the last 16 prices a plain step instead of ``verify(0)``, which leaves out the loop's own work per
+    round, and the drafted rounds that began the skipping are judged again at that price (drafting resumes at once
+    where they pay after all). ``skipped``: per round, whether it skipped the drafter.
     """
 
     uses_draft = True
@@ -247,6 +252,9 @@ class AutoBudget(BlockPolicy):
         self._building = 0  # nodes built so far in the round in flight
         self.skipped: list[bool] = []  # per round: the drafter skipped (for studies)
         self._skipping, self._window = False, 0  # skipping now; memory.appended where the deciding rounds begin
+        self._plain: deque[float] = deque(maxlen=16)  # wall seconds of the last rounds without the drafter
+        self._plain_open: tuple[float, int] | None = None  # (clock, history length) of the skipped round in flight
+        self._confirmed = False  # the skipping was judged at the timed price of a plain step
 
     @classmethod
     def for_models(cls, target, draft, cap: int | None = None, cost: CostModel | None = None,
@@ -284,18 +292,27 @@ class AutoBudget(BlockPolicy):
     def wants_draft(self, history: list[int]) -> bool:
         """Whether this round runs the drafter (class docstring). Without a clock: always. With one, the drafted
         rounds since the policy last began skipping (at most ``SKIP_LOOKBACK``) decide: while drafting, it begins to
-        skip once ``SKIP_AFTER`` of them committed fewer tokens per second than plain steps; while skipping, it drafts
-        every ``PROBE_EVERY + 1``-th round (a probe) and drafts again once ``RESUME_AFTER`` probes say it pays."""
+        skip once ``SKIP_AFTER`` of them committed fewer tokens per second than plain steps (:meth:`plain_seconds`);
+        while skipping, once the plain step is timed it judges those rounds again, then drafts every
+        ``PROBE_EVERY + 1``-th round (a probe) and drafts again once ``RESUME_AFTER`` probes say it pays."""
         if self.clock is None:
             return True
+        now = self.clock() if self._plain_open is not None else None  # read only around rounds without the drafter
+        self._time_plain(history, now)
         since = self.memory.appended - self._window
         recent = list(itertools.islice(reversed(self.memory.rounds), min(since, SKIP_LOOKBACK)))
-        pays = sum(r.tokens for r in recent) * float(self.curve.verify(0)) >= sum(r.seconds for r in recent)
+        pays = sum(r.tokens for r in recent) * self.plain_seconds() >= sum(r.seconds for r in recent)
         if not self._skipping:
             if len(recent) >= SKIP_AFTER and not pays:
-                self._skipping, self._window = True, self.memory.appended  # the probes start a fresh window
-            return not self._skipping
-        if len(recent) >= RESUME_AFTER and pays:
+                self._skipping, self._confirmed = True, False
+            return self._drafts(not self._skipping, history, now)
+        if not self._confirmed and len(self._plain) >= PLAIN_TIMED:
+            self._confirmed = True  # the rounds that began the skipping, at the plain step's timed price
+            if pays:
+                self._skipping = False
+                return True
+            self._window = self.memory.appended  # the probes start a fresh window
+        elif self._confirmed and len(recent) >= RESUME_AFTER and pays:
             self._skipping = False
             return True
         run = 0
@@ -303,7 +320,24 @@ class AutoBudget(BlockPolicy):
             if not skipped:
                 break
             run += 1
-        return run >= PROBE_EVERY
+        return self._drafts(run >= PROBE_EVERY, history, now)
+
+    def plain_seconds(self) -> float:
+        """Seconds of a round without the drafter: the median of the last timed ones once ``PLAIN_TIMED`` were,
+        else the curve's ``verify(0)``."""
+        if len(self._plain) >= PLAIN_TIMED:
+            return statistics.median(self._plain)
+        return float(self.curve.verify(0))
+
+    def _drafts(self, draft: bool, history: list[int], now: float | None) -> bool:
+        self._plain_open = None if draft else (self.clock() if now is None else now, len(history))
+        return draft
+
+    def _time_plain(self, history: list[int], now: float | None) -> None:
+        """The skipped round in flight ended ``now``: its wall time when it committed one token (the root's)."""
+        if self._plain_open is not None and len(history) == self._plain_open[1] + 1:
+            self._plain.append(now - self._plain_open[0])
+        self._plain_open = None
 
     def propose(self, block: DraftBlock | None, history: list[int]) -> DraftTree:
         """The prefix of the best-first tree (or chain) worth verifying this round; ``block`` None (the drafter

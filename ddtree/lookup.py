@@ -10,7 +10,12 @@ Each round two sources propose token paths below the root:
   prod_{j <= k} p_n(j)`` with ``p_n(j)`` the share of rounds (match length ``n``) whose walk, having accepted the
   continuation through depth ``j - 1``, also accepted depth ``j``. Depth 1 (does the match continue at all) has a
   Beta(1, 1) prior; a deeper cell is shrunk towards its match length's pooled rate over all depths >= 2 (``PRIOR``
-  pseudo-trials), so a depth the rounds have rarely reached is priced like the depths they have.
+  pseudo-trials), so a depth the rounds have rarely reached is priced like the depths they have. The pooled rate is
+  a Beta(1, 1) posterior, H hits in T trials, and at depth ``j`` it takes its posterior predictive given that
+  depths 2 .. j - 1 were accepted on this path, ``(H + 1 + (j - 2)) / (T + 2 + (j - 2))``: with the rate unknown, a
+  continuation accepted this far is evidence that the rate is high. A product of means, ``E[p] ** k``, undervalues
+  deep nodes whenever the rate is uncertain (``E[p ** k]`` is larger: 1 / (k + 1) against 2 ** -k before any
+  round), so a fresh call used to verify a few tokens of a continuation that runs for ten.
 
 The continuation needs no drafter row: it runs past the drafter's block (``num_tokens``, default 32, against a
 16-position block whose tree is at most 15 deep) wherever the context continues, and ``auto`` decides with its cost
@@ -100,6 +105,7 @@ class LookupTreePolicy(BlockPolicy):
 
     uses_draft = True
     SKIP_PRIOR = 0.85  # a round without the drafter pass, relative to one with it, before any was timed
+    SKIP_WARMUP = 4  # drafted rounds timed before a round may skip the drafter
     WINDOW = 64  # rounds of each kind the rates are taken over
     PRIOR = 2.0  # pseudo-trials at the pooled rate of a continuation depth >= 2 (module docstring)
 
@@ -148,7 +154,7 @@ class LookupTreePolicy(BlockPolicy):
 
     def _skip_pays(self, estimates: list[float]) -> bool:
         drafted = self._timed[False]
-        if not estimates or len(drafted) < 4:
+        if not estimates or len(drafted) < self.SKIP_WARMUP:
             return False
         seconds = sum(s for s, _ in drafted)
         rate = sum(t for _, t in drafted) / max(seconds, 1e-12)  # committed tokens per second with the drafter
@@ -163,13 +169,17 @@ class LookupTreePolicy(BlockPolicy):
 
     def estimates(self, n: int, m: int) -> list[float]:
         """a_n(1..m): the learned probability that the target accepts a match-length-n continuation through depth k
-        (the module docstring: depth 1 on its own, deeper cells shrunk towards their pooled rate)."""
+        (the module docstring: depth 1 on its own, deeper cells shrunk towards the pooled rate's predictive)."""
         cells = self.counts[n]
-        pooled = (sum(h for h, _ in cells[2:]) + 1) / (sum(t for _, t in cells[2:]) + 2)
+        hits, trials = sum(h for h, _ in cells[2:]), sum(t for _, t in cells[2:])
         out, a = [], 1.0
         for k in range(1, m + 1):
-            hits, trials = cells[k]
-            a *= (hits + 1) / (trials + 2) if k == 1 else (hits + self.PRIOR * pooled) / (trials + self.PRIOR)
+            h, t = cells[k]
+            if k == 1:
+                a *= (h + 1) / (t + 2)
+            else:  # the pooled rate's predictive, depths 2 .. k - 1 accepted on this path
+                pooled = (hits + 1 + k - 2) / (trials + 2 + k - 2)
+                a *= (h + self.PRIOR * pooled) / (t + self.PRIOR)
             out.append(a)
         return out
 

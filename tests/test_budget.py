@@ -544,10 +544,10 @@ def test_auto_measures_a_context_far_past_every_measured_one(monkeypatch, tmp_pa
     assert unmeasurable.calibration_s == 0.0 and unmeasurable.cost.context == 512
 
 
-def _skip_rounds(policy, clock, rounds, accept, history):
+def _skip_rounds(policy, clock, rounds, accept, history, plain_s=None):
     """Drive ``policy`` as the loop does, asking first whether to draft: a drafted round of n nodes takes its modeled
     seconds and the target accepts up to ``accept`` nodes along the most probable path; a round without the drafter
-    takes ``verify(0)``. Returns the per-round drafted flags and the history."""
+    takes ``plain_s`` (default ``verify(0)``). Returns the per-round drafted flags and the history."""
     drafted = []
     for _ in range(rounds):
         wants = policy.wants_draft(history)
@@ -556,7 +556,8 @@ def _skip_rounds(policy, clock, rounds, accept, history):
                          history[-1]) if wants else None
         tree = policy.propose(block, history)
         n = len(tree.token_ids)
-        clock.now += float(policy.cost.round_seconds(n)) if wants else float(policy.cost.verify(0))
+        plain = float(policy.cost.verify(0)) if plain_s is None else plain_s
+        clock.now += float(policy.cost.round_seconds(n)) if wants else plain
         path, node = [], -1
         while len(path) < accept:
             kids = [i for i in range(n) if int(tree.parents[i]) == node]
@@ -590,6 +591,26 @@ def test_auto_skips_the_drafter_where_it_does_not_pay_and_probes_to_come_back():
     assert all(drafted[back:]) and back < 90
     replayable = AutoBudget(measured, cap=16)
     assert all(_skip_rounds(replayable, FakeClock(), 40, 0, [1, 2, 3])[0])
+
+
+def test_auto_prices_a_plain_step_by_its_timed_rounds_and_takes_back_a_skip_that_paid():
+    """A round without the drafter costs the loop more than the curve's ``verify(0)`` (its own work per round). Here
+    it takes 15 ms against 10 ms modeled, and drafted rounds commit 3 tokens: below a plain step's rate at 10 ms, above
+    it at 15. ``auto`` begins to skip on the curve's price, times ``PLAIN_TIMED`` rounds without the drafter, judges
+    the rounds that began the skipping again at their median, and drafts every round again at once. (Before, it kept
+    skipping, priced at 10 ms, until probes said otherwise.)"""
+    from ddtree.budget import PLAIN_TIMED, SKIP_AFTER
+
+    measured = CostModel((0, 4, 16, 32), (0.010, 0.011, 0.014, 0.020), fixed_s=0.020)
+    clock = FakeClock()
+    policy = AutoBudget(measured, cap=16, clock=clock)
+    drafted, _ = _skip_rounds(policy, clock, 60, 2, [1, 2, 3], plain_s=0.015)
+    first = drafted.index(False)
+    assert first == SKIP_AFTER and policy.plain_seconds() == pytest.approx(0.015)
+    assert drafted[first:first + PLAIN_TIMED] == [False] * PLAIN_TIMED and all(drafted[first + PLAIN_TIMED:])
+    cheap = AutoBudget(measured, cap=16, clock=(cheap_clock := FakeClock()))  # where a plain step is what it models
+    drafted, _ = _skip_rounds(cheap, cheap_clock, 60, 2, [1, 2, 3])
+    assert drafted.index(False) == SKIP_AFTER and not any(drafted[SKIP_AFTER:SKIP_AFTER + 10])
 
 
 def test_auto_skipping_the_drafter_is_lossless_and_drafts_less():

@@ -188,20 +188,23 @@ def test_lookup_tree_skips_the_drafter_where_the_continuation_pays_and_stays_exa
     assert not any(no_clock.skipped)  # without a clock every round drafts (replayable)
 
 
-def test_deep_continuation_cells_take_their_match_lengths_pooled_rate():
+def test_deep_continuation_cells_take_their_match_lengths_pooled_predictive():
     """Depth 1 keeps its own Beta(1, 1) estimate; a deeper cell never tried is priced at the pooled rate of the
-    depths >= 2 that were tried (not at the 1/2 of a flat prior), and a tried cell moves towards its own share."""
+    depths >= 2 that were tried, as the posterior predictive given the depths above it on the path were accepted
+    (each accepted depth is one more hit), and a tried cell moves towards its own share. Before any round the
+    estimates are 1/2 * 1/k (E[p^(k-1)] under a flat prior), not 2^-k."""
     from ddtree.lookup import LookupTreePolicy
 
     policy = LookupTreePolicy(8, max_ngram=2, num_tokens=6)
     policy.counts[2][1] = [9, 10]  # depth 1: 9 of 10 rounds
     policy.counts[2][2] = [17, 18]  # depth 2: 17 of 18; deeper depths never tried
-    pooled = (17 + 1) / (18 + 2)
     first = (9 + 1) / (10 + 2)
-    second = (17 + policy.PRIOR * pooled) / (18 + policy.PRIOR)
-    want = [first, first * second] + [first * second * pooled ** k for k in range(1, 5)]
+    second = (17 + policy.PRIOR * (17 + 1) / (18 + 2)) / (18 + policy.PRIOR)
+    want = [first, first * second]
+    for k in range(3, 7):
+        want.append(want[-1] * (17 + 1 + k - 2) / (18 + 2 + k - 2))
     assert policy.estimates(2, 6) == pytest.approx(want)
-    assert policy.estimates(1, 3) == pytest.approx([0.5, 0.25, 0.125])  # nothing learnt for n = 1: flat
+    assert policy.estimates(1, 4) == pytest.approx([1 / 2, 1 / 4, 1 / 6, 1 / 8])  # nothing learnt for n = 1
 
 
 def _cycling_target(vocab: int = 16, hidden: int = 32):

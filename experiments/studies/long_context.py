@@ -1,11 +1,13 @@
 """Cost against context length: ``python -m experiments.studies.long_context``.
 
 For each context length: plain decoding's step (milliseconds per token after the prefill), the prefill rate (prompt
-tokens per second) and, unless ``--methods`` leaves them out, DDTree at the given budgets (tokens per second over
+tokens per second: the median of ``--prefill-repeats`` prefills, every context's in turn before anything else is
+timed, so that a slow phase of the machine does not land on one context's single prefill) and, unless ``--methods`` leaves them out, DDTree at the given budgets (tokens per second over
 plain decoding's, tau, and whether the output equals plain decoding's). Methods run one after another on the same
 prompt; ``auto``'s cost curves are measured for every context's bucket before anything is timed. The prompt is the end of this repository's docs (README, docs/*.md) cut to the context length, as one user
 message with a summary request (``--text random``: random token ids, plain decoding only makes sense then). The
-embedded pair by default (``--pair tiny``: a random tiny pair, for smoke runs).
+embedded pair by default, with the CPU linear kernels the benchmark applies (``--pair tiny``: a random tiny pair, for
+smoke runs).
 
 Each finished context is one JSON line in ``--out``; the file is rewritten atomically after each, and a rerun skips
 the contexts it already holds. After the last context, ``summary.json`` and ``summary.md`` beside it hold the table
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 import torch
@@ -44,8 +47,19 @@ def docs_prompt(tokenizer, context: int) -> torch.Tensor:
     return ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
 
 
+def prefill_rates(target, prompts: dict[int, torch.Tensor], repeats: int) -> dict[int, float]:
+    """{context: prompt tokens per second}: the median of ``repeats`` prefills of each prompt, the prompts in turn
+    (forwards, then backwards)."""
+    seconds: dict[int, list[float]] = {c: [] for c in prompts}
+    order = list(prompts)
+    for r in range(repeats):
+        for c in order if r % 2 == 0 else order[::-1]:
+            seconds[c].append(autoregressive_generate(target, prompts[c], max_new_tokens=1).timings["prefill"])
+    return {c: int(prompts[c].shape[1]) / statistics.median(s) for c, s in seconds.items()}
+
+
 def measure(target, draft, ids: torch.Tensor, budgets: list, max_new_tokens: int) -> dict:
-    """One context: plain decoding's step and prefill rate, then each DDTree budget against it."""
+    """One context: plain decoding's step and its prefill's rate, then each DDTree budget against it."""
     plain = autoregressive_generate(target, ids, max_new_tokens=max_new_tokens)
     decode = plain.timings["decode"]
     record = {"context": int(ids.shape[1]), "plain_step_ms": 1e3 * decode / max(1, len(plain.acceptance_lengths)),
@@ -60,8 +74,10 @@ def measure(target, draft, ids: torch.Tensor, budgets: list, max_new_tokens: int
 
 
 def run(target, draft, prompt_for, contexts: list[int], budgets: list, max_new_tokens: int, out: Path,
-        machine: dict) -> list[dict]:
-    """Measure every context not yet in ``out`` (``prompt_for(context) -> [1, T]``), rewriting it after each."""
+        machine: dict, prefill_repeats: int = 3) -> list[dict]:
+    """Measure every context not yet in ``out`` (``prompt_for(context) -> [1, T]``), rewriting it after each. The
+    prefill rates of the contexts to measure come first (:func:`prefill_rates`; ``prefill_repeats`` 0: each
+    context's plain call's own prefill)."""
     done = [json.loads(line) for line in out.read_text().splitlines() if line.strip()] if out.is_file() else []
     have = {r["asked_context"] for r in done}
     autoregressive_generate(target, prompt_for(min(contexts))[:, :32], max_new_tokens=4)  # warm-up
@@ -69,11 +85,14 @@ def run(target, draft, prompt_for, contexts: list[int], budgets: list, max_new_t
     if todo and any(b in ("auto", "chain-auto") for b in budgets):  # auto's curves, before anything is timed
         for chain in sorted({b == "chain-auto" for b in budgets if b in ("auto", "chain-auto")}):
             calibrate(target, draft, contexts=[int(prompt_for(c).shape[1]) for c in todo], chain=chain)
+    rates = prefill_rates(target, {c: prompt_for(c) for c in todo}, prefill_repeats) if prefill_repeats else {}
     for context in contexts:
         if context in have:
             continue
         record = {"asked_context": context, **measure(target, draft, prompt_for(context), budgets, max_new_tokens),
                   **machine}
+        if context in rates:  # the interleaved median; the plain call's own prefill stays beside it
+            record["prefill_once_tok_s"], record["prefill_tok_s"] = record["prefill_tok_s"], rates[context]
         print(json.dumps(record), flush=True)
         done.append(record)
         write_text_atomic(out, "".join(json.dumps(r) + "\n" for r in done))
@@ -129,6 +148,9 @@ def main(argv=None) -> None:
     p.add_argument("--methods", default="16,auto", help="DDTree budgets (ints, auto), comma-separated; '' for none")
     p.add_argument("--text", choices=["docs", "random"], default="docs")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--prefill-repeats", type=int, default=3,
+                   help="prefills per context, every context's in turn, whose median is the prefill rate (0: the "
+                        "plain call's one prefill)")
     p.add_argument("--out", default="runs/long_context.jsonl")
     a = p.parse_args(argv)
     contexts = [int(x) for x in a.contexts.split(",") if x.strip()]
@@ -140,8 +162,10 @@ def main(argv=None) -> None:
         draft, tokenizer = random_draft(target, layers=1, taps=2, block_size=8), None
     else:
         from dflash_core import load_default_pair
+        from dflash_core.cpu_kernels import apply_cpu_kernels
 
         target, draft, tokenizer = load_default_pair()
+        apply_cpu_kernels(target, draft, kernels="auto")
     if tokenizer is None and a.text == "docs":
         p.error("--pair tiny has no tokenizer: use --text random")
     g = torch.Generator().manual_seed(0)
@@ -150,7 +174,8 @@ def main(argv=None) -> None:
         (lambda n: torch.randint(0, vocab, (1, n), generator=g))
     machine = {"cpu": cpu_model(), "dtype": str(next(target.parameters()).dtype), "text": a.text,
                "max_new_tokens": a.max_new_tokens}
-    records = run(target, draft, prompt_for, contexts, budgets, a.max_new_tokens, Path(a.out), machine)
+    records = run(target, draft, prompt_for, contexts, budgets, a.max_new_tokens, Path(a.out), machine,
+                  a.prefill_repeats)
     print(f"summary: {write_summary([r for r in records if r['asked_context'] in contexts], budgets, Path(a.out))}")
 
 
