@@ -155,7 +155,7 @@ class TargetAdapter:
                 "verification drives Qwen3-Next / Qwen3.5 style hybrids; load the model with its own class")
         self.model = model
         self.config = config
-        self.grouped = sdpa_configs(model)  # masked forwards read grouped K/V heads in place (dflash_core.grouped)
+        self.grouped = sdpa_configs(model)  # forwards read grouped K/V heads in place (dflash_core.grouped)
         self.num_layers = int(config.num_hidden_layers)
         self.layer_ids = tuple(int(i) for i in layer_ids)
         bad = [i for i in self.layer_ids if not 0 <= i < self.num_layers]
@@ -289,7 +289,7 @@ class TargetAdapter:
         head. ``visible=None`` runs the model's own causal mask: exact when every row continues its whole cache."""
         b, n = token_ids.shape
         mask = None if visible is None else self.masks(visible.to(self.device), position_ids.to(self.device))
-        with self._by_depth(cache, visible, b, n), grouped_attention(self.grouped, mask is not None):
+        with self._by_depth(cache, visible, b, n), grouped_attention(self.grouped):
             out = tapped_forward(self.model, token_ids.to(self.device), self.layer_ids if with_features else (),
                                  head=False, position_ids=position_ids.to(self.device), attention_mask=mask,
                                  use_cache=True, **{self._cache_kw: cache})

@@ -1,5 +1,6 @@
-"""Grouped-query attention under a tree mask (dflash_core.grouped): a masked CPU verify reads each key/value head in
-place (``enable_gqa``) instead of copying it per query head, with the same logits and features as transformers' own
+"""Grouped-query attention without copies (dflash_core.grouped): a masked CPU verify reads each key/value head in
+place (``enable_gqa`` in float32, the group folded into query rows in bf16) instead of copying it per query head,
+and a single-row forward (a plain step) folds the group, with the same logits and features as transformers' own
 path, on the dense targets and on every family whose layers run SDPA; the model's attention implementation is its
 own again after every forward, even one that fails; what the grouped path does not handle goes to transformers'."""
 
@@ -91,27 +92,61 @@ def test_the_models_own_implementation_comes_back_even_after_a_failed_forward():
         assert target.config._attn_implementation == "sdpa"
 
 
-def test_unmasked_single_row_and_unusual_calls_go_to_transformers_own_function(monkeypatch):
+def test_folded_rows_and_what_goes_to_transformers_own_function(monkeypatch):
+    """Against the copied-heads arithmetic: a masked forward of several rows (float64: ``enable_gqa``; bf16: folded)
+    and a single row with or without a mask (folded); an unmasked forward of several rows (a causal prefill),
+    soft-capping, sinks and ungrouped heads go to transformers' function."""
     import transformers.integrations.sdpa_attention as hf_sdpa
 
     delegated = []
     monkeypatch.setattr(hf_sdpa, "sdpa_attention_forward", lambda *a, **kw: delegated.append(kw) or ("theirs", None))
     module = torch.nn.Module()
     module.num_key_value_groups = 2
-    q, k = torch.randn(1, 4, 3, 8, dtype=torch.float64), torch.randn(1, 2, 5, 8, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 3, 8, dtype=torch.float64, generator=gen)
+    k, v = torch.randn(2, 1, 2, 5, 8, dtype=torch.float64, generator=gen)
     mask = torch.zeros(1, 1, 3, 5, dtype=torch.float64)
     mask[..., 1] = torch.finfo(torch.float64).min
-    out, _ = grouped.grouped_sdpa_attention(module, q, k, k, mask, scaling=0.3)
-    assert not delegated and out.shape == (1, 3, 4, 8)
-    keys = k.repeat_interleave(2, 1)  # the copied heads: what transformers' path computes with
-    ref = torch.softmax(q @ keys.transpose(-1, -2) * 0.3 + mask, -1) @ keys
-    torch.testing.assert_close(out, ref.transpose(1, 2))
-    for query, m, kwargs in ((q, None, {}), (q[:, :, :1], mask[:, :, :1], {}), (q, mask, {"softcap": 2.0}),
-                             (q, mask, {"s_aux": torch.zeros(4)})):
-        assert grouped.grouped_sdpa_attention(module, query, k, k, m, scaling=0.3, **kwargs)[0] == "theirs"
+    mask[..., 1, 3] = torch.finfo(torch.float64).min  # rows see different keys: a folded row must keep its own
+
+    def reference(query, m):
+        keys, values = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)  # what transformers' path computes
+        scores = query.double() @ keys.transpose(-1, -2) * 0.3 + (0 if m is None else m.double())
+        return (torch.softmax(scores, -1) @ values).transpose(1, 2)
+
+    for query, m in ((q, mask), (q[:, :, :1], mask[:, :, :1]), (q[:, :, :1], None)):
+        out, _ = grouped.grouped_sdpa_attention(module, query, k, v, m, scaling=0.3)
+        torch.testing.assert_close(out, reference(query, m))
+    half = grouped.grouped_sdpa_attention(module, q.bfloat16(), k.bfloat16(), v.bfloat16(), mask.bfloat16(),
+                                          scaling=0.3)[0]
+    torch.testing.assert_close(half.double(), reference(q, mask), atol=3e-2, rtol=0)
+    assert not delegated
+    for query, m, kwargs in ((q, None, {}), (q, mask, {"softcap": 2.0}), (q, mask, {"s_aux": torch.zeros(4)})):
+        assert grouped.grouped_sdpa_attention(module, query, k, v, m, scaling=0.3, **kwargs)[0] == "theirs"
     module.num_key_value_groups = 1
-    assert grouped.grouped_sdpa_attention(module, q, k.repeat_interleave(2, 1), k, mask)[0] == "theirs"
-    assert len(delegated) == 5
+    assert grouped.grouped_sdpa_attention(module, q, k.repeat_interleave(2, 1), v, mask)[0] == "theirs"
+    assert len(delegated) == 4
+
+
+def test_a_plain_step_folds_the_group_with_the_same_outputs(spy):
+    """A one-token forward without a tree (a plain step, a root-only round) folds each group into query rows of its
+    key/value head: one SDPA call per layer with H_kv heads and no ``enable_gqa``, the same logits and features."""
+    target = make_target("llama", vocab=48)
+    adapter = TargetAdapter(target, (0, 1))
+    ids = torch.randint(0, 47, (1, 30), generator=torch.Generator().manual_seed(1))
+    outs = []
+    for configs in (adapter.grouped, []):
+        adapter.grouped = configs
+        cache = adapter.new_cache()
+        adapter.forward(ids[:, :29], torch.arange(29)[None], cache)
+        before = len(spy)
+        out = adapter.forward(ids[:, 29:], torch.tensor([[29]]), cache)
+        outs.append((out.logits, out.features, spy[before:]))
+    (logits, features, calls), (own_logits, own_features, _) = outs
+    layers = len(target.model.layers)
+    assert calls == [None] * layers  # every layer folded: SDPA without enable_gqa
+    torch.testing.assert_close(logits, own_logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(features, own_features, atol=1e-5, rtol=0)
 
 
 def test_no_rerouting_on_a_model_whose_heads_are_not_grouped():
