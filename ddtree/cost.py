@@ -197,7 +197,8 @@ def cost_key(target, draft, device: torch.device, dtype: torch.dtype, chain: boo
         "draft": [draft.config.num_hidden_layers, draft.config.block_size,
                   draft.config.draft_vocab_size] if draft is not None else None,
         "kernels": active_kernels(target), "proposal": "chain" if chain else "tree",
-        "measured": "interleaved-3",  # how: curves measured by an older rule are measured again
+        # how, and on which attention path: curves measured by an older rule or path are measured again
+        "measured": "interleaved-3", "attention": "folded-groups",
     })
 
 
