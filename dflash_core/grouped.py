@@ -48,12 +48,12 @@ def grouped_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
 
     groups = getattr(module, "num_key_value_groups", 1)
     rows = query.shape[2]
-    plain = (groups > 1 and key.shape[-1] == value.shape[-1] and not any(kwargs.get(k) is not None
-                                                                          for k in _OTHER_KWARGS)
-             and (attention_mask is None or attention_mask.shape[1] == 1))
-    if plain and (rows == 1 or (attention_mask is not None and query.dtype not in (torch.float32, torch.float64))):
+    handled = (groups > 1 and key.shape[-1] == value.shape[-1]
+               and not any(kwargs.get(k) is not None for k in _OTHER_KWARGS)
+               and (attention_mask is None or attention_mask.shape[1] == 1))
+    if handled and (rows == 1 or (attention_mask is not None and query.dtype not in (torch.float32, torch.float64))):
         return _folded(query, key, value, attention_mask, groups, dropout, scaling), None
-    if not plain or attention_mask is None:
+    if not handled or attention_mask is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
@@ -63,7 +63,7 @@ def grouped_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
 
 def _folded(query, key, value, mask, groups: int, dropout: float, scaling: float | None) -> torch.Tensor:
     """Attention with each group's query heads as extra rows of their key/value head: heads are numbered key/value
-    head first (transformers' ``repeat_kv`` order), so ``[B, H, q, D]`` -> ``[B, H_kv, groups * q, D]`` is a view,
+    head first (transformers' ``repeat_kv`` order), so ``[B, H, q, D]`` reshapes to ``[B, H_kv, groups * q, D]``,
     and row ``g * q + i`` is query row ``i`` of the group's head ``g``, which sees mask row ``i``."""
     b, heads, rows, dim = query.shape
     folded = query.reshape(b, heads // groups, groups * rows, dim)

@@ -2,12 +2,13 @@
 
 For each context length: plain decoding's step (milliseconds per token after the prefill), the prefill rate (prompt
 tokens per second: the median of ``--prefill-repeats`` prefills, every context's in turn before anything else is
-timed, so that a slow phase of the machine does not land on one context's single prefill) and, unless ``--methods`` leaves them out, DDTree at the given budgets (tokens per second over
-plain decoding's, tau, and whether the output equals plain decoding's). Methods run one after another on the same
-prompt; ``auto``'s cost curves are measured for every context's bucket before anything is timed. The prompt is the end of this repository's docs (README, docs/*.md) cut to the context length, as one user
-message with a summary request (``--text random``: random token ids, plain decoding only makes sense then). The
-embedded pair by default, with the CPU linear kernels the benchmark applies (``--pair tiny``: a random tiny pair, for
-smoke runs).
+timed, so that a slow phase of the machine does not land on one context's single prefill) and, unless ``--methods``
+leaves them out, DDTree at the given budgets (tokens per second over plain decoding's, tau, and whether the output
+equals plain decoding's). Methods run one after another on the same prompt; ``auto``'s cost curves are measured for
+every context's bucket before anything is timed. The prompt is the end of this repository's docs (README,
+docs/*.md) cut to the context length, as one user message with a summary request (``--text random``: random token
+ids, plain decoding only makes sense then). The embedded pair by default, with the CPU linear kernels the benchmark
+applies (``--pair tiny``: a random tiny pair, for smoke runs).
 
 Each finished context is one JSON line in ``--out``; the file is rewritten atomically after each, and a rerun skips
 the contexts it already holds. After the last context, ``summary.json`` and ``summary.md`` beside it hold the table
