@@ -305,7 +305,7 @@ class AutoBudget(BlockPolicy):
         if not self._skipping:
             if len(recent) >= SKIP_AFTER and not pays:
                 self._skipping, self._confirmed = True, False
-            return self._drafts(not self._skipping, history, now)
+            return self._time_if_skipped(not self._skipping, history, now)
         if not self._confirmed and len(self._plain) >= PLAIN_TIMED:
             self._confirmed = True  # the rounds that began the skipping, at the plain step's timed price
             if pays:
@@ -320,7 +320,7 @@ class AutoBudget(BlockPolicy):
             if not skipped:
                 break
             run += 1
-        return self._drafts(run >= PROBE_EVERY, history, now)
+        return self._time_if_skipped(run >= PROBE_EVERY, history, now)
 
     def plain_seconds(self) -> float:
         """Seconds of a round without the drafter: the median of the last timed ones once ``PLAIN_TIMED`` were,
@@ -329,7 +329,8 @@ class AutoBudget(BlockPolicy):
             return statistics.median(self._plain)
         return float(self.curve.verify(0))
 
-    def _drafts(self, draft: bool, history: list[int], now: float | None) -> bool:
+    def _time_if_skipped(self, draft: bool, history: list[int], now: float | None) -> bool:
+        """Return ``draft``; a round that skips the drafter starts its timing (:meth:`_time_plain` ends it)."""
         self._plain_open = None if draft else (self.clock() if now is None else now, len(history))
         return draft
 
