@@ -90,8 +90,10 @@ class Round:
 class RoundMemory:
     """What ``auto`` learnt, held by its caller (module docstring): the last ``window`` verified rounds with running
     totals (tokens, modeled seconds, per-depth predicted and observed acceptance), so a policy reads its rate and
-    calibration in O(depths) per round; and the online correction of each measured cost curve a clocked policy timed
-    its rounds against (:meth:`online_cost`)."""
+    calibration in O(depths) per round; the online correction of each measured cost curve a clocked policy timed
+    its rounds against (:meth:`online_cost`); the wall seconds of the last rounds without the drafter (``plain``,
+    what a clocked policy prices a plain step with: :meth:`AutoBudget.plain_seconds`); and, for ``auto`` with lookup
+    branches, what the branches learnt (``lookup``, a :class:`ddtree.lookup.LookupStats`; None until one is used)."""
 
     def __init__(self, window: int = 256) -> None:
         if window < 1:
@@ -102,6 +104,8 @@ class RoundMemory:
         self.depth_pred, self.depth_obs = np.zeros(_MAX_DEPTH + 1), np.zeros(_MAX_DEPTH + 1)
         self.depth_nodes = np.zeros(_MAX_DEPTH + 1, dtype=np.int64)
         self.curves: dict[CostModel, OnlineCost] = {}
+        self.plain: deque[float] = deque(maxlen=16)
+        self.lookup = None
         self.appended = 0  # rounds ever stored (the window keeps the last ``window``)
         self.forked_at = 0  # ``appended`` of the memory this one was forked from, at the fork
 
@@ -139,6 +143,8 @@ class RoundMemory:
             new = min(fork.appended - fork.forked_at, len(fork.rounds))
             for r in list(fork.rounds)[len(fork.rounds) - new:]:
                 self.append(r)
+            if fork.lookup is not None:
+                fork.lookup.add_to(self)
 
     def online_cost(self, cost: CostModel) -> OnlineCost:
         """The online correction of the measured curve ``cost`` (a new one, equal to it, on first use)."""
@@ -225,10 +231,10 @@ class AutoBudget(BlockPolicy):
     contexts or unpredictable text the drafter's pass then costs a probe's share instead of every round. Leaving
     takes ``SKIP_AFTER`` drafted rounds and coming back ``RESUME_AFTER`` probes, so that the noise of a few rounds
     (tokens per round vary from 1 to the block) neither stops a drafter that pays nor keeps one that does not.
-    The rounds without the drafter are timed (from one :meth:`wants_draft` to the next): once ``PLAIN_TIMED`` were,
-    the median of the last 16 prices a plain step instead of ``verify(0)``, which leaves out the loop's own work per
-    round, and the drafted rounds that began the skipping are judged again at that price (drafting resumes at once
-    where they pay after all). ``skipped``: per round, whether it skipped the drafter.
+    The rounds without the drafter are timed (from one :meth:`wants_draft` to the next, kept in the memory, so a later
+    call starts with them): once ``PLAIN_TIMED`` were, the median of the last 16 prices a plain step instead of
+    ``verify(0)``, which leaves out the loop's own work per round, and the drafted rounds that began the skipping are
+    judged again at that price (drafting resumes at once where they pay after all). ``skipped``: per round, whether it skipped the drafter.
     """
 
     uses_draft = True
@@ -252,7 +258,7 @@ class AutoBudget(BlockPolicy):
         self._building = 0  # nodes built so far in the round in flight
         self.skipped: list[bool] = []  # per round: the drafter skipped (for studies)
         self._skipping, self._window = False, 0  # skipping now; memory.appended where the deciding rounds begin
-        self._plain: deque[float] = deque(maxlen=16)  # wall seconds of the last rounds without the drafter
+        self._plain = self.memory.plain  # wall seconds of the last rounds without the drafter (carried over)
         self._plain_open: tuple[float, int] | None = None  # (clock, history length) of the skipped round in flight
         self._confirmed = False  # the skipping was judged at the timed price of a plain step
 

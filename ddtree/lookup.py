@@ -31,6 +31,12 @@ and then by depth puts every parent before its children. Only the drafter's own 
 best of the union (any other prefix is beaten by B drafter prefixes already), so the union is built from
 ``build_tree(draft_logits, B)`` and the m lookup nodes. Verification is sample-and-match as for every top-K tree, so
 the output stays exactly the target's whatever the estimates are.
+
+What the branches learnt (the counts above and the skip rule's round timings, :class:`LookupStats`) lives in the
+``auto`` policy's :class:`~ddtree.budget.RoundMemory` when there is one, so it carries from call to call like ``auto``'s
+calibration: a fresh call on copy-heavy text verifies the continuation a previous call found reliable instead of
+learning it again over the three to eight rounds of a short answer. A call begins with the carried counts of each
+match length weighed as at most ``LookupStats.CARRY`` rounds, so the rounds of the call at hand soon outweigh them.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from dflash_core.tree import ROOT, BlockPolicy, DraftBlock, DraftTree
 from .budget import AutoBudget
 from .build import best_tree
 
-__all__ = ["LookupTreePolicy", "merge_lookup"]
+__all__ = ["LookupStats", "LookupTreePolicy", "merge_lookup"]
 
 
 def merge_lookup(tree: DraftTree, continuation: list[int], estimates: list[float], budget: int,
@@ -84,6 +90,53 @@ def merge_lookup(tree: DraftTree, continuation: list[int], estimates: list[float
     return merged, placed, [origin.get(p, -1) for p in chosen]
 
 
+class LookupStats:
+    """What a :class:`LookupTreePolicy` learnt (module docstring): ``counts[n, k]`` = [rounds that accepted depth
+    ``k`` of a match-length-``n`` continuation having accepted depth ``k - 1``, rounds that tried depth ``k``], and the
+    skip rule's timings: ``timed[False]`` / ``timed[True]`` the (seconds, committed tokens) of the last ``WINDOW``
+    rounds with / without the drafter. Held by an ``auto`` policy's :class:`~ddtree.budget.RoundMemory`
+    (``memory.lookup``), it carries over from one call to the next."""
+
+    CARRY = 8  # rounds of depth 1 per match length that earlier calls weigh as, at most, when a call begins
+    WINDOW = 64  # rounds of each kind the skip rule's rates are taken over
+
+    def __init__(self, max_ngram: int, num_tokens: int) -> None:
+        self.counts = np.zeros((max_ngram + 1, num_tokens + 1, 2))
+        self._base = self.counts.copy()  # the counts when the call began: what the call learnt is the difference
+        self.timed: dict[bool, deque] = {False: deque(maxlen=self.WINDOW), True: deque(maxlen=self.WINDOW)}
+
+    @classmethod
+    def held_by(cls, memory, max_ngram: int, num_tokens: int) -> "LookupStats":
+        """The statistics ``memory`` holds (new ones on first use; ``memory`` None: new ones held by none), weighed
+        for a call that begins now (class docstring)."""
+        shape = (max_ngram + 1, num_tokens + 1, 2)
+        stats = getattr(memory, "lookup", None)
+        if stats is None:
+            stats = cls(max_ngram, num_tokens)
+            if memory is not None:
+                memory.lookup = stats
+        elif stats.counts.shape != shape:
+            raise ValueError(f"this memory learnt lookup branches with max_ngram={stats.counts.shape[0] - 1} and "
+                             f"num_tokens={stats.counts.shape[1] - 1}, not {max_ngram} and {num_tokens}: give each "
+                             "lookup setting a RoundMemory of its own")
+        stats.begin_call()
+        return stats
+
+    def begin_call(self) -> None:
+        """Weigh each match length's counts as at most ``CARRY`` rounds of depth 1 (the proportions stay)."""
+        tried = self.counts[:, 1, 1]
+        scale = np.minimum(1.0, self.CARRY / np.maximum(tried, 1e-12))
+        self.counts *= scale[:, None, None]
+        self._base = self.counts.copy()
+
+    def add_to(self, memory) -> None:
+        """Add what these statistics learnt since their call began to ``memory``'s (a fork's to the memory it was
+        forked from: :meth:`~ddtree.budget.RoundMemory.absorb`); a batch times no rounds, so no timings go."""
+        if memory.lookup is None:
+            memory.lookup = type(self)(self.counts.shape[0] - 1, self.counts.shape[1] - 1)
+        memory.lookup.counts += self.counts - self._base
+
+
 class LookupTreePolicy(BlockPolicy):
     """Proposal policy: the DDTree with the context's continuation merged in (module docstring), under a fixed node
     ``budget`` (an int) or sized per round by an :class:`~ddtree.budget.AutoBudget` (``budget=AutoBudget(...)``):
@@ -91,14 +144,17 @@ class LookupTreePolicy(BlockPolicy):
     merged best-first list to verify with its cost curve; it learns its calibration from the drafter's nodes only
     (so its memory belongs to lookup rounds: do not share it with a plain ``auto``).
 
-    ``lookup_committed``: per round, how many committed tokens were lookup nodes.
+    ``lookup_committed``: per round, how many committed tokens were lookup nodes. ``stats``: what the branches
+    learnt (:class:`LookupStats`), the ``auto`` policy's memory's (``budget.memory.lookup``) under ``auto``, so it
+    carries over to the next call that policy's memory is given to; the policy's own otherwise.
 
     Skipping the drafter (``clock``, e.g. ``time.perf_counter``; what ``ddtree_generate(lookup=True)`` passes): the
     policy times its rounds (the clock between consecutive :meth:`wants_draft` calls spans one whole round) and keeps
     the committed tokens per second of rounds with the drafter and the seconds of rounds without it. A round whose
     continuation promises more, 1 + sum_k a_n(k) tokens in a round without the drafter pass, than the drafted
     rounds deliver per second, skips the pass and verifies the continuation alone (until rounds without it were
-    timed, their cost is taken as ``SKIP_PRIOR`` of a drafted round's). Without a clock every round drafts
+    timed, their cost is taken as ``SKIP_PRIOR`` of a drafted round's; the timings are the ``stats``', so they too
+    carry over from earlier calls). Without a clock every round drafts
     (replayable). Whatever is skipped, the output is the target's: only which positions are verified changes.
     ``skipped``: per round, whether the drafter was skipped.
     """
@@ -106,7 +162,6 @@ class LookupTreePolicy(BlockPolicy):
     uses_draft = True
     SKIP_PRIOR = 0.85  # a round without the drafter pass, relative to one with it, before any was timed
     SKIP_WARMUP = 4  # drafted rounds timed before a round may skip the drafter
-    WINDOW = 64  # rounds of each kind the rates are taken over
     PRIOR = 2.0  # pseudo-trials at the pooled rate of a continuation depth >= 2 (module docstring)
 
     def __init__(self, budget: int | AutoBudget, max_ngram: int = 3, num_tokens: int = 32,
@@ -120,13 +175,13 @@ class LookupTreePolicy(BlockPolicy):
         self.max_ngram, self.num_tokens = max_ngram, num_tokens
         self.name = "lookup-auto" if self.auto is not None else f"lookup-tree-{budget}"
         self.index = NgramIndex(max_ngram)
-        # per match length n and depth k: [accepted given depth k-1 accepted, trials]
-        self.counts = [[[0, 0] for _ in range(num_tokens + 1)] for _ in range(max_ngram + 1)]
+        self.stats = LookupStats.held_by(self.auto.memory if self.auto is not None else None, max_ngram, num_tokens)
+        self.counts = self.stats.counts  # [n, k]: [accepted given depth k - 1 accepted, trials] (LookupStats)
         self._round: tuple[int, list[int]] | None = None  # (match length, node index per continuation depth)
         self._drafter_nodes: dict[int, int] | None = None  # auto: merged node -> position among the drafter's
         self.lookup_committed: list[int] = []
         self.clock, self.skipped = clock, []
-        self._timed: dict[bool, deque] = {False: deque(maxlen=self.WINDOW), True: deque(maxlen=self.WINDOW)}
+        self._timed = self.stats.timed
         self._open: tuple[float, int, bool] | None = None  # (clock, history length, skipped) of the round in flight
         self._lookup: tuple[int, list[int], list[float]] | None = None  # this round's match, from wants_draft
 
@@ -171,7 +226,7 @@ class LookupTreePolicy(BlockPolicy):
         """a_n(1..m): the learned probability that the target accepts a match-length-n continuation through depth k
         (the module docstring: depth 1 on its own, deeper cells shrunk towards the pooled rate's predictive)."""
         cells = self.counts[n]
-        hits, trials = sum(h for h, _ in cells[2:]), sum(t for _, t in cells[2:])
+        hits, trials = cells[2:].sum(axis=0)
         out, a = [], 1.0
         for k in range(1, m + 1):
             h, t = cells[k]
@@ -180,7 +235,7 @@ class LookupTreePolicy(BlockPolicy):
             else:  # the pooled rate's predictive, depths 2 .. k - 1 accepted on this path
                 pooled = (hits + 1 + k - 2) / (trials + 2 + k - 2)
                 a *= (h + self.PRIOR * pooled) / (t + self.PRIOR)
-            out.append(a)
+            out.append(float(a))
         return out
 
     def propose(self, block: DraftBlock | None, history: list[int]) -> DraftTree:
@@ -237,7 +292,7 @@ class LookupTreePolicy(BlockPolicy):
         depth = 0
         while depth < len(placed) and placed[depth] in on_path:
             depth += 1
-        for k in range(1, min(len(placed), depth + 1) + 1):  # depths tried: all accepted ones and the first miss
-            self.counts[n][k][1] += 1
-            self.counts[n][k][0] += k <= depth
+        tried = min(len(placed), depth + 1)  # depths tried: all accepted ones and the first miss
+        self.counts[n, 1:tried + 1, 1] += 1
+        self.counts[n, 1:min(depth, tried) + 1, 0] += 1
         self.lookup_committed.append(depth)

@@ -207,6 +207,42 @@ def test_deep_continuation_cells_take_their_match_lengths_pooled_predictive():
     assert policy.estimates(1, 4) == pytest.approx([1 / 2, 1 / 4, 1 / 6, 1 / 8])  # nothing learnt for n = 1
 
 
+def test_a_call_starts_from_what_earlier_calls_on_its_memory_learnt():
+    """Under ``auto`` the branches' counts and skip timings live in the policy's memory: a later call prices a
+    continuation from them, weighed as ``CARRY`` rounds of depth 1 (proportions kept), where a fresh memory starts
+    from the flat prior; a batch's forks bring back what each learnt; a memory refuses another lookup shape."""
+    from ddtree import RoundMemory
+    from ddtree.budget import AutoBudget
+    from ddtree.cost import CostModel
+    from ddtree.lookup import LookupStats, LookupTreePolicy
+
+    curve = CostModel((0, 4, 16), (0.010, 0.011, 0.014), fixed_s=0.010)
+
+    def policy(memory, num_tokens=6):
+        return LookupTreePolicy(AutoBudget(curve, cap=16, memory=memory), max_ngram=2, num_tokens=num_tokens)
+
+    memory = RoundMemory()
+    first = policy(memory)
+    first.counts[2, 1] = [39, 40]  # depth 1: 39 of 40 rounds
+    first.counts[2, 2] = [60, 80]
+    first._timed[False].append((0.05, 4))
+    second = policy(memory)
+    w = LookupStats.CARRY / 40
+    assert second.counts[2, 1] == pytest.approx([39 * w, 8]) and second.counts[2, 2] == pytest.approx([60 * w, 80 * w])
+    assert second.estimates(2, 1) == pytest.approx([(39 * w + 1) / (8 + 2)])
+    assert list(second._timed[False]) == [(0.05, 4)]
+    assert policy(RoundMemory()).estimates(2, 1) == [0.5]
+    forks = [memory.fork() for _ in range(2)]
+    batch = [policy(fork) for fork in forks]
+    before = memory.lookup.counts.copy()
+    batch[0].counts[1, 1] += [1, 1]
+    batch[1].counts[1, 1] += [0, 1]
+    memory.absorb(forks)
+    assert memory.lookup.counts[1, 1] == pytest.approx(before[1, 1] + [1, 2])
+    with pytest.raises(ValueError, match="num_tokens=6"):
+        policy(memory, num_tokens=5)
+
+
 def _cycling_target(vocab: int = 16, hidden: int = 32):
     """A tiny Llama that mostly continues a fixed cycle of its vocabulary (next token = (t + 5) mod vocab): one-hot
     embeddings, the layers' outputs scaled down, an LM head that maps each token to the next in the cycle; a context
