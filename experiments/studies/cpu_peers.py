@@ -3,7 +3,8 @@ memory floor: ``python -m experiments.studies.cpu_peers``.
 
 Greedy, the same first-turn prompts of the benchmark (default: gsm8k, humaneval, mt-bench, grounded; 2 each), every
 method on every prompt in an order rotated per prompt (:func:`compare_prompts`), each call timed whole (prefill
-included), after one untimed warm-up of each method:
+included), after one untimed warm-up of each method and, for ``auto``, its cost curves measured up front for every
+prompt's context bucket (:func:`ddtree.cost.calibrate`, as the benchmark does), so that no timed call measures one:
 
 * ``ar``            -- :func:`dflash_core.autoregressive_generate`, our plain decoding (the baseline of every speedup);
 * ``hf_greedy``     -- transformers' ``generate()`` greedy on the same model object;
@@ -217,12 +218,15 @@ def make_llama_cpp(gguf: str, threads: int, extra_bufts: bool, stop_token_ids: S
 
 
 def make_ours(method: str, target, draft, stop_token_ids: Sequence[int]) -> Callable:
-    """Our speculative methods as ``run(ids, max_new_tokens) -> (new ids, {"rounds", "tau"})``."""
-    from ddtree import ddtree_generate
+    """Our speculative methods as ``run(ids, max_new_tokens) -> (new ids, {"rounds", "tau"})``; ``auto`` keeps one
+    memory over the method's calls, as a serving process (and the benchmark) would."""
+    from ddtree import RoundMemory, ddtree_generate
 
     settings = {"dflash": {"budget": "chain"}, "ddtree_auto": {"budget": "auto"}, "ddtree_8": {"budget": 8},
                 "ddtree_16": {"budget": 16}, "ddtree_lookup": {"budget": "auto", "lookup": True},
                 "ddtree_lookup8": {"budget": 8, "lookup": True}}[method]
+    if settings["budget"] == "auto":
+        settings["memory"] = RoundMemory()
     stops = [int(s) for s in stop_token_ids]
 
     def run(ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], dict]:
@@ -392,6 +396,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{str(target.dtype).removeprefix('torch.')}, kernels {kernels}, {args.threads} threads")
     t0 = time.perf_counter()
     pairs = [(m, "ar") for m in runners if m != "ar"]
+    if any(m in ("ddtree_auto", "ddtree_lookup") for m in runners):
+        from ddtree.cost import calibrate
+
+        calibrate(target, draft, contexts=[len(p) for p in prompts])
     rows = compare_prompts(target, prompts, runners, args.max_new_tokens, pairs, warmup, labels, log)
     floor = memory_floor(target, draft) if args.floor else None
     summary = summarize(rows)
