@@ -243,6 +243,28 @@ def test_a_call_starts_from_what_earlier_calls_on_its_memory_learnt():
         policy(memory, num_tokens=5)
 
 
+def test_lookup_statistics_carry_over_calls_and_come_back_from_a_batch(monkeypatch):
+    """On the loop: a call with ``memory=`` leaves what its continuations did in ``memory.lookup``; a batch on the
+    same memory decodes plain decoding's tokens and gives back what its sequences' forks tried."""
+    from conftest import make_draft, steady_clocks
+    from ddtree import RoundMemory, ddtree_generate
+
+    steady_clocks(monkeypatch)
+    target = make_target("llama", vocab=8, init=0.3)  # a small vocabulary: the output repeats, lookups hit
+    draft = make_draft(target, block_size=5)
+    prompts = [prompt(80 + seed, 12, 8) for seed in range(2)]
+    memory = RoundMemory()
+    ddtree_generate(target, draft, prompts[0], budget="auto", lookup=True, memory=memory, max_new_tokens=30,
+                    stop_token_ids=[7])
+    first = memory.lookup.counts.copy()
+    assert first[:, 1, 1].sum() > 0  # the call tried continuations, and its memory holds them
+    refs = [autoregressive_generate(target, p, 30, stop_token_ids=[7]).new_token_ids for p in prompts]
+    got = ddtree_generate(target, draft, prompts, budget="auto", lookup=True, memory=memory, max_new_tokens=30,
+                          stop_token_ids=[7])
+    assert [g.new_token_ids for g in got] == refs
+    assert (memory.lookup.counts >= first).all() and memory.lookup.counts[:, 1, 1].sum() > first[:, 1, 1].sum()
+
+
 def _cycling_target(vocab: int = 16, hidden: int = 32):
     """A tiny Llama that mostly continues a fixed cycle of its vocabulary (next token = (t + 5) mod vocab): one-hot
     embeddings, the layers' outputs scaled down, an LM head that maps each token to the next in the cycle; a context
