@@ -33,6 +33,20 @@ def test_runner_variants_decode_the_same_text_and_auto_mem_carries_its_memory(mo
         run("auto_sometimes", prompt(1, 10, 32), 4)
 
 
+def test_lookup_and_pld_variants_decode_the_same_text_and_report_the_lookup_share(monkeypatch):
+    from conftest import steady_clocks
+
+    steady_clocks(monkeypatch)
+    target = make_target("llama", vocab=8, init=0.3)  # a small vocabulary: the output repeats, lookups hit
+    draft = make_draft(target, block_size=4)
+    run = make_runner(target, draft, [])
+    first = {v: run(v, prompt(3, 12, 8), 16) for v in ("B4", "pld", "lookup", "lookup_mem")}
+    assert first["B4"]["ids"] == first["pld"]["ids"] == first["lookup"]["ids"] == first["lookup_mem"]["ids"]
+    assert first["lookup_mem"]["lookup_share"] > 0 and "lookup_share" not in first["pld"]
+    again = run("lookup_mem", prompt(4, 12, 8), 16)
+    assert again["ids"] == run("lookup", prompt(4, 12, 8), 16)["ids"]
+
+
 def test_summary_by_hand():
     def rec(tok_s, tau, **extra):
         return {"tok_s": tok_s, "tau": tau, "ms_per_round": {s: 1.0 for s in STAGES}, **extra}

@@ -8,7 +8,10 @@ prompt, outputs checked equal. Variants (``--variants``):
 * ``auto``        -- ``budget="auto"`` as a call makes it: a fresh memory, the cached cost curve, online correction;
 * ``auto_off``    -- the same without reading the clock (no online correction);
 * ``auto_mem``    -- with one :class:`ddtree.RoundMemory` carried from prompt to prompt (as a benchmark or a server);
-* ``auto_fresh``  -- with a cost curve measured now, in this process (not the cached one), per context bucket.
+* ``auto_fresh``  -- with a cost curve measured now, in this process (not the cached one), per context bucket;
+* ``lookup``      -- DDTree with lookup branches under ``auto`` (``lookup=True``), a fresh memory per call;
+* ``lookup_mem``  -- the same with one memory carried from prompt to prompt (its lookup statistics with it);
+* ``pld``         -- prompt lookup without a drafter (:func:`dflash_core.lookup_generate`).
 
 ``--repeats 2`` runs each prompt's variants forwards and then backwards (A B B A) and pools their decode time: on a
 machine whose memory bandwidth moves by 20% within seconds (shared with other tenants), a single pass per prompt
@@ -37,12 +40,16 @@ def make_runner(target, draft, stops: list[int]):
     """``run(variant, ids [1, T], max_new_tokens) -> record`` (the record holds the new ids under ``ids``)."""
     from ddtree import RoundMemory, ddtree_generate, make_policy
     from ddtree.cost import context_bucket, measure_cost_model
+    from dflash_core import lookup_generate
 
-    carried, curves = RoundMemory(), {}
+    carried, carried_lookup, curves = RoundMemory(), RoundMemory(), {}
 
     def policy(variant: str, length: int):
         if variant.startswith("B"):
             return make_policy(int(variant[1:]))
+        if variant in ("lookup", "lookup_mem"):
+            memory = carried_lookup if variant == "lookup_mem" else None
+            return make_policy("auto", target, draft, lookup=True, context=length, memory=memory)
         options = {"auto": {}, "auto_off": {"online": False}, "auto_mem": {"memory": carried}}.get(variant)
         if variant == "auto_fresh":
             bucket = context_bucket(length)
@@ -50,17 +57,22 @@ def make_runner(target, draft, stops: list[int]):
                 curves[bucket] = measure_cost_model(target, draft, context=bucket, use_cache=False)
             options = {"cost": curves[bucket]}
         if options is None:
-            raise ValueError(f"unknown variant {variant!r}: B<n>, auto, auto_off, auto_mem or auto_fresh")
+            raise ValueError(f"unknown variant {variant!r}: B<n>, auto, auto_off, auto_mem, auto_fresh, lookup, "
+                             "lookup_mem or pld")
         return make_policy("auto", target, draft, context=length, **options)
 
     def run(variant: str, ids: torch.Tensor, max_new_tokens: int) -> dict:
-        pol = policy(variant, int(ids.shape[1]))
-        res = ddtree_generate(target, draft, ids, max_new_tokens=max_new_tokens, stop_token_ids=stops, policy=pol)
+        pol = None if variant == "pld" else policy(variant, int(ids.shape[1]))
+        res = (lookup_generate(target, ids, max_new_tokens=max_new_tokens, stop_token_ids=stops) if pol is None else
+               ddtree_generate(target, draft, ids, max_new_tokens=max_new_tokens, stop_token_ids=stops, policy=pol))
         rounds = max(1, len(res.acceptance_lengths))
         record = {"tok_s": len(res.new_token_ids) / res.timings["decode"], "tau": res.tau, "rounds": rounds,
                   "tokens": len(res.new_token_ids), "decode_s": res.timings["decode"],
                   "ms_per_round": {s: 1e3 * res.timings.get(s, 0.0) / rounds for s in STAGES},
                   "ids": res.new_token_ids}
+        if hasattr(pol, "lookup_committed"):
+            record["lookup_share"] = sum(pol.lookup_committed) / max(1, len(res.new_token_ids))
+            record["skipped_share"] = sum(pol.skipped) / rounds
         if hasattr(pol, "chosen"):
             modeled = sum(r.seconds for r in list(pol.memory)[-rounds:])
             record.update(chosen=float(np.mean(pol.chosen)), built=float(np.mean(pol.built)),
@@ -90,7 +102,7 @@ def summarize(rows: list[dict], variants: list[str]) -> dict:
                  "over_first_median": statistics.median(ratios), "over_first": ratios,
                  "tau": statistics.fmean(r[v]["tau"] for r in rows),
                  "ms_per_round": {s: statistics.fmean(r[v]["ms_per_round"][s] for r in rows) for s in STAGES}}
-        for key in ("chosen", "built", "modeled_over_real"):
+        for key in ("chosen", "built", "modeled_over_real", "lookup_share", "skipped_share"):
             if key in rows[0][v]:
                 entry[key] = statistics.fmean(r[v][key] for r in rows)
         out[v] = entry
