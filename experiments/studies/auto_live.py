@@ -119,6 +119,9 @@ def main(argv=None) -> None:
                    help="passes over the variants per prompt, forwards then backwards (2: A B B A), so a machine "
                         "whose speed drifts within seconds times every variant alike")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="the pair's precision (auto: the machine's default; fp32 keeps every variant on plain "
+                        "decoding's text, where bf16 parts at near-ties)")
     p.add_argument("--out", default="runs/auto_live.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -129,7 +132,7 @@ def main(argv=None) -> None:
     from experiments.bench.conversation import benchmark_prompts
     from experiments.bench.schema import write_text_atomic
 
-    target, draft, tokenizer = load_default_pair()
+    target, draft, tokenizer = load_default_pair({"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype])
     apply_cpu_kernels(target, draft, kernels="auto")
     run = make_runner(target, draft, stop_token_ids(tokenizer))
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
