@@ -234,7 +234,8 @@ class AutoBudget(BlockPolicy):
     The rounds without the drafter are timed (from one :meth:`wants_draft` to the next, kept in the memory, so a later
     call starts with them): once ``PLAIN_TIMED`` were, the median of the last 16 prices a plain step instead of
     ``verify(0)``, which leaves out the loop's own work per round, and the drafted rounds that began the skipping are
-    judged again at that price (drafting resumes at once where they pay after all). ``skipped``: per round, whether it skipped the drafter.
+    judged again at that price (drafting resumes at once where they pay after all). ``skipped``: per round, whether
+    it skipped the drafter.
     """
 
     uses_draft = True

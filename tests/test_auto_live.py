@@ -29,6 +29,11 @@ def test_runner_variants_decode_the_same_text_and_auto_mem_carries_its_memory(mo
     assert again["ids"] == fresh["ids"]
     assert again["memory_rounds"] == first["auto_mem"]["rounds"] + again["rounds"]
     assert fresh["memory_rounds"] == fresh["rounds"]
+    # a repeated pass starts from the memory before the prompt's first pass, and what it learns is not carried
+    repeated = run("auto_mem", prompt(2, 10, 32), 12, again=True)
+    assert repeated["memory_rounds"] == first["auto_mem"]["rounds"] + repeated["rounds"]
+    third = run("auto_mem", prompt(3, 10, 32), 12)
+    assert third["memory_rounds"] == first["auto_mem"]["rounds"] + again["rounds"] + third["rounds"]
     with pytest.raises(ValueError, match="unknown variant"):
         run("auto_sometimes", prompt(1, 10, 32), 4)
 

@@ -13,16 +13,19 @@ prompt, outputs checked equal. Variants (``--variants``):
 * ``lookup_mem``  -- the same with one memory carried from prompt to prompt (its lookup statistics with it);
 * ``pld``         -- prompt lookup without a drafter (:func:`dflash_core.lookup_generate`).
 
-``--repeats 2`` runs each prompt's variants forwards and then backwards (A B B A) and pools their decode time: on a
-machine whose memory bandwidth moves by 20% within seconds (shared with other tenants), a single pass per prompt
-compares variants timed in different phases. Per variant: tokens per second of decoding (prefill excluded) and its per-prompt geometric-mean ratio to the first
-variant, tau, the loop's stage times per round (draft, tree, verify, commit), and for ``auto`` the mean tree size
-verified and built and the modeled round seconds against the real ones. Writes one JSON atomically.
+``--repeats 2`` runs each prompt's variants forwards and then backwards (A B B A) and pools their decode time (a
+carried memory's later passes start from the memory as it was before the prompt's first pass): on a machine whose
+memory bandwidth moves by 20% within seconds (shared with other tenants), a single pass per prompt compares variants
+timed in different phases. Per variant: tokens per second of decoding (prefill excluded) and its per-prompt
+geometric-mean ratio to the first variant, tau, the loop's stage times per round (draft, tree, verify, commit), for
+``auto`` the mean tree size verified and built and the modeled round seconds against the real ones, and for lookup
+branches the share of tokens they committed and of rounds without the drafter. Writes one JSON atomically.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import statistics
@@ -37,20 +40,32 @@ STAGES = ("draft", "tree", "verify", "commit")
 
 
 def make_runner(target, draft, stops: list[int]):
-    """``run(variant, ids [1, T], max_new_tokens) -> record`` (the record holds the new ids under ``ids``)."""
+    """``run(variant, ids [1, T], max_new_tokens, again=False) -> record`` (the record holds the new ids under
+    ``ids``). ``again=True`` (a repeated pass over the prompt): a carried memory starts from what it held when the
+    prompt's first pass began, not from what that pass learnt about this very prompt."""
     from ddtree import RoundMemory, ddtree_generate, make_policy
     from ddtree.cost import context_bucket, measure_cost_model
     from dflash_core import lookup_generate
 
-    carried, carried_lookup, curves = RoundMemory(), RoundMemory(), {}
+    carried = {"auto_mem": RoundMemory(), "lookup_mem": RoundMemory()}
+    before: dict[tuple[str, int], RoundMemory] = {}  # (variant, prompt id) -> the memory before the first pass
+    curves = {}
 
-    def policy(variant: str, length: int):
+    def memory_for(variant: str, ids: torch.Tensor, again: bool) -> RoundMemory | None:
+        if variant not in carried:
+            return None
+        key = (variant, hash(tuple(ids.flatten().tolist())))
+        if not again:
+            before[key] = copy.deepcopy(carried[variant])
+            return carried[variant]
+        return copy.deepcopy(before[key])
+
+    def policy(variant: str, length: int, memory: RoundMemory | None):
         if variant.startswith("B"):
             return make_policy(int(variant[1:]))
         if variant in ("lookup", "lookup_mem"):
-            memory = carried_lookup if variant == "lookup_mem" else None
             return make_policy("auto", target, draft, lookup=True, context=length, memory=memory)
-        options = {"auto": {}, "auto_off": {"online": False}, "auto_mem": {"memory": carried}}.get(variant)
+        options = {"auto": {}, "auto_off": {"online": False}, "auto_mem": {"memory": memory}}.get(variant)
         if variant == "auto_fresh":
             bucket = context_bucket(length)
             if bucket not in curves:
@@ -61,8 +76,8 @@ def make_runner(target, draft, stops: list[int]):
                              "lookup_mem or pld")
         return make_policy("auto", target, draft, context=length, **options)
 
-    def run(variant: str, ids: torch.Tensor, max_new_tokens: int) -> dict:
-        pol = None if variant == "pld" else policy(variant, int(ids.shape[1]))
+    def run(variant: str, ids: torch.Tensor, max_new_tokens: int, again: bool = False) -> dict:
+        pol = None if variant == "pld" else policy(variant, int(ids.shape[1]), memory_for(variant, ids, again))
         res = (lookup_generate(target, ids, max_new_tokens=max_new_tokens, stop_token_ids=stops) if pol is None else
                ddtree_generate(target, draft, ids, max_new_tokens=max_new_tokens, stop_token_ids=stops, policy=pol))
         rounds = max(1, len(res.acceptance_lengths))
@@ -132,7 +147,8 @@ def main(argv=None) -> None:
     from experiments.bench.conversation import benchmark_prompts
     from experiments.bench.schema import write_text_atomic
 
-    target, draft, tokenizer = load_default_pair({"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype])
+    dtype = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    target, draft, tokenizer = load_default_pair(dtype)
     apply_cpu_kernels(target, draft, kernels="auto")
     run = make_runner(target, draft, stop_token_ids(tokenizer))
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -145,7 +161,7 @@ def main(argv=None) -> None:
         calls = {v: [] for v in variants}
         for k in range(args.repeats):
             for v in order if k % 2 == 0 else order[::-1]:
-                calls[v].append(run(v, ids, args.max_new_tokens))
+                calls[v].append(run(v, ids, args.max_new_tokens, again=k > 0))
         row = {v: merge(calls[v]) for v in variants}
         reference = row[variants[0]]["ids"]
         row["equal"] = {v: row[v].pop("ids") == reference for v in variants}
