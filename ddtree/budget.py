@@ -91,9 +91,10 @@ class RoundMemory:
     """What ``auto`` learnt, held by its caller (module docstring): the last ``window`` verified rounds with running
     totals (tokens, modeled seconds, per-depth predicted and observed acceptance), so a policy reads its rate and
     calibration in O(depths) per round; the online correction of each measured cost curve a clocked policy timed
-    its rounds against (:meth:`online_cost`); the wall seconds of the last rounds without the drafter (``plain``,
-    what a clocked policy prices a plain step with: :meth:`AutoBudget.plain_seconds`); and, for ``auto`` with lookup
-    branches, what the branches learnt (``lookup``, a :class:`ddtree.lookup.LookupStats`; None until one is used)."""
+    its rounds against (:meth:`online_cost`); the wall times of the last rounds without the drafter over their
+    curve's ``verify(0)`` (``plain``, what a clocked policy prices a plain step with:
+    :meth:`AutoBudget.plain_seconds`); and, for ``auto`` with lookup branches, what the branches learnt (``lookup``,
+    a :class:`ddtree.lookup.LookupStats`; None until one is used)."""
 
     def __init__(self, window: int = 256) -> None:
         if window < 1:
@@ -231,10 +232,11 @@ class AutoBudget(BlockPolicy):
     contexts or unpredictable text the drafter's pass then costs a probe's share instead of every round. Leaving
     takes ``SKIP_AFTER`` drafted rounds and coming back ``RESUME_AFTER`` probes, so that the noise of a few rounds
     (tokens per round vary from 1 to the block) neither stops a drafter that pays nor keeps one that does not.
-    The rounds without the drafter are timed (from one :meth:`wants_draft` to the next, kept in the memory, so a later
-    call starts with them): once ``PLAIN_TIMED`` were, the median of the last 16 prices a plain step instead of
-    ``verify(0)``, which leaves out the loop's own work per round, and the drafted rounds that began the skipping are
-    judged again at that price (drafting resumes at once where they pay after all). ``skipped``: per round, whether
+    The rounds without the drafter are timed (from one :meth:`wants_draft` to the next) and kept in the memory as
+    multiples of the curve's ``verify(0)``, so a later call, at any context length, starts with them: once
+    ``PLAIN_TIMED`` were, the median of the last 16 times the curve's ``verify(0)`` prices a plain step instead of
+    ``verify(0)`` alone, which leaves out the loop's own work per round, and the drafted rounds that began the skipping
+    are judged again at that price (drafting resumes at once where they pay after all). ``skipped``: per round, whether
     it skipped the drafter.
     """
 
@@ -259,7 +261,7 @@ class AutoBudget(BlockPolicy):
         self._building = 0  # nodes built so far in the round in flight
         self.skipped: list[bool] = []  # per round: the drafter skipped (for studies)
         self._skipping, self._window = False, 0  # skipping now; memory.appended where the deciding rounds begin
-        self._plain = self.memory.plain  # wall seconds of the last rounds without the drafter (carried over)
+        self._plain = self.memory.plain  # the last rounds without the drafter, in multiples of verify(0)
         self._plain_open: tuple[float, int] | None = None  # (clock, history length) of the skipped round in flight
         self._confirmed = False  # the skipping was judged at the timed price of a plain step
 
@@ -330,11 +332,10 @@ class AutoBudget(BlockPolicy):
         return self._time_if_skipped(run >= PROBE_EVERY, history, now)
 
     def plain_seconds(self) -> float:
-        """Seconds of a round without the drafter: the median of the last timed ones once ``PLAIN_TIMED`` were,
-        else the curve's ``verify(0)``."""
-        if len(self._plain) >= PLAIN_TIMED:
-            return statistics.median(self._plain)
-        return float(self.curve.verify(0))
+        """Seconds of a round without the drafter: the curve's ``verify(0)``, times the median of the last timed
+        ones over it once ``PLAIN_TIMED`` were."""
+        step = float(self.curve.verify(0))
+        return step * statistics.median(self._plain) if len(self._plain) >= PLAIN_TIMED else step
 
     def _time_if_skipped(self, draft: bool, history: list[int], now: float | None) -> bool:
         """Return ``draft``; a round that skips the drafter starts its timing (:meth:`_time_plain` ends it)."""
@@ -342,9 +343,10 @@ class AutoBudget(BlockPolicy):
         return draft
 
     def _time_plain(self, history: list[int], now: float | None) -> None:
-        """The skipped round in flight ended ``now``: its wall time when it committed one token (the root's)."""
+        """The skipped round in flight ended ``now``: its wall time over the curve's ``verify(0)``, when it committed
+        one token (the root's)."""
         if self._plain_open is not None and len(history) == self._plain_open[1] + 1:
-            self._plain.append(now - self._plain_open[0])
+            self._plain.append((now - self._plain_open[0]) / float(self.curve.verify(0)))
         self._plain_open = None
 
     def propose(self, block: DraftBlock | None, history: list[int]) -> DraftTree:

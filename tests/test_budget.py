@@ -614,15 +614,19 @@ def test_auto_prices_a_plain_step_by_its_timed_rounds_and_takes_back_a_skip_that
 
 
 def test_a_later_call_prices_a_plain_step_by_the_rounds_an_earlier_call_timed():
-    """The timed plain steps live in the memory: a later call on it prices a plain step at their median from its
-    first round, instead of spending rounds without the drafter to time them again (what a fresh call starting
-    from a skip did before); a fresh memory starts from the curve's ``verify(0)``."""
+    """The timed plain steps live in the memory, as multiples of their curve's ``verify(0)``: a later call on it
+    prices a plain step at their median from its first round, on its own curve (another context length's), instead
+    of spending rounds without the drafter to time them again (what a fresh call starting from a skip did before); a
+    fresh memory starts from the curve's ``verify(0)``."""
     measured = CostModel((0, 4, 16, 32), (0.010, 0.011, 0.014, 0.020), fixed_s=0.020)
     memory = RoundMemory()
     clock = FakeClock()
     _skip_rounds(AutoBudget(measured, cap=16, clock=clock, memory=memory), clock, 60, 2, [1, 2, 3], plain_s=0.015)
     later = AutoBudget(measured, cap=16, clock=FakeClock(), memory=memory)
     assert later.plain_seconds() == pytest.approx(0.015)
+    longer = CostModel((0, 4, 16, 32), (0.020, 0.022, 0.028, 0.040), fixed_s=0.020)  # a longer context's curve
+    elsewhere = AutoBudget(longer, cap=16, clock=FakeClock(), memory=memory)
+    assert elsewhere.plain_seconds() == pytest.approx(0.030)  # 1.5x the step, on its own curve
     fresh = AutoBudget(measured, cap=16, clock=FakeClock(), memory=RoundMemory())
     assert fresh.plain_seconds() == pytest.approx(float(measured.verify(0)))
 
