@@ -93,8 +93,9 @@ def merge_lookup(tree: DraftTree, continuation: list[int], estimates: list[float
 class LookupStats:
     """What a :class:`LookupTreePolicy` learnt (module docstring): ``counts[n, k]`` = [rounds that accepted depth
     ``k`` of a match-length-``n`` continuation having accepted depth ``k - 1``, rounds that tried depth ``k``], and the
-    skip rule's timings: ``timed[False]`` / ``timed[True]`` the (seconds, committed tokens) of the last ``WINDOW``
-    rounds with / without the drafter. Held by an ``auto`` policy's :class:`~ddtree.budget.RoundMemory`
+    skip rule's timings: ``timed[False]`` / ``timed[True]`` the (duration, committed tokens) of the last ``WINDOW``
+    rounds with / without the drafter, durations in multiples of the ``auto`` curve's ``verify(0)`` (seconds under a
+    fixed budget), so that rounds timed at other context lengths compare. Held by an ``auto`` policy's :class:`~ddtree.budget.RoundMemory`
     (``memory.lookup``), it carries over from one call to the next."""
 
     CARRY = 8  # rounds of depth 1 per match length that earlier calls weigh as, at most, when a call begins
@@ -154,8 +155,7 @@ class LookupTreePolicy(BlockPolicy):
     continuation promises more, 1 + sum_k a_n(k) tokens in a round without the drafter pass, than the drafted
     rounds deliver per second, skips the pass and verifies the continuation alone (until rounds without it were
     timed, their cost is taken as ``SKIP_PRIOR`` of a drafted round's; the timings are the ``stats``', so they too
-    carry over from earlier calls). Without a clock every round drafts
-    (replayable). Whatever is skipped, the output is the target's: only which positions are verified changes.
+    carry over from earlier calls). Without a clock every round drafts (replayable). Whatever is skipped, the output is the target's: only which positions are verified changes.
     ``skipped``: per round, whether the drafter was skipped.
     """
 
@@ -190,7 +190,8 @@ class LookupTreePolicy(BlockPolicy):
         now = self.clock() if self.clock is not None else None
         if self._open is not None and now is not None and len(history) > self._open[1]:
             began, length, skipped = self._open  # the previous round: its seconds and committed tokens
-            self._timed[skipped].append((now - began, len(history) - length))
+            unit = float(self.auto.curve.verify(0)) if self.auto is not None else 1.0  # (LookupStats)
+            self._timed[skipped].append(((now - began) / unit, len(history) - length))
         self._lookup = self._match(history)
         skip = now is not None and self._skip_pays(self._lookup[2])
         self._open = (now, len(history), skip) if now is not None else None

@@ -210,7 +210,8 @@ def test_deep_continuation_cells_take_their_match_lengths_pooled_predictive():
 def test_a_call_starts_from_what_earlier_calls_on_its_memory_learnt():
     """Under ``auto`` the branches' counts and skip timings live in the policy's memory: a later call prices a
     continuation from them, weighed as ``CARRY`` rounds of depth 1 (proportions kept), where a fresh memory starts
-    from the flat prior; a batch's forks bring back what each learnt; a memory refuses another lookup shape."""
+    from the flat prior; a batch's forks bring back what each learnt; a memory refuses another lookup shape; round
+    durations are kept in multiples of the curve's ``verify(0)`` (comparable across context lengths)."""
     from ddtree import RoundMemory
     from ddtree.budget import AutoBudget
     from ddtree.cost import CostModel
@@ -232,6 +233,12 @@ def test_a_call_starts_from_what_earlier_calls_on_its_memory_learnt():
     assert second.estimates(2, 1) == pytest.approx([(39 * w + 1) / (8 + 2)])
     assert list(second._timed[False]) == [(0.05, 4)]
     assert policy(RoundMemory()).estimates(2, 1) == [0.5]
+    ticks = iter([1.0, 1.03])  # a round of 30 ms that committed 3 tokens: 3 steps of this curve's verify(0)
+    timed = policy(RoundMemory())
+    timed.clock = lambda: next(ticks)
+    timed.wants_draft([1, 2, 3])
+    timed.wants_draft([1, 2, 3, 4, 5, 6])
+    assert list(timed._timed[False]) == [(pytest.approx(3.0), 3)]
     forks = [memory.fork() for _ in range(2)]
     batch = [policy(fork) for fork in forks]
     before = memory.lookup.counts.copy()
