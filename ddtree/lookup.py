@@ -95,8 +95,8 @@ class LookupStats:
     ``k`` of a match-length-``n`` continuation having accepted depth ``k - 1``, rounds that tried depth ``k``], and the
     skip rule's timings: ``timed[False]`` / ``timed[True]`` the (duration, committed tokens) of the last ``WINDOW``
     rounds with / without the drafter, durations in multiples of the ``auto`` curve's ``verify(0)`` (seconds under a
-    fixed budget), so that rounds timed at other context lengths compare. Held by an ``auto`` policy's :class:`~ddtree.budget.RoundMemory`
-    (``memory.lookup``), it carries over from one call to the next."""
+    fixed budget), so that rounds timed at other context lengths compare. Held by an ``auto`` policy's
+    :class:`~ddtree.budget.RoundMemory` (``memory.lookup``), it carries over from one call to the next."""
 
     CARRY = 8  # rounds of depth 1 per match length that earlier calls weigh as, at most, when a call begins
     WINDOW = 64  # rounds of each kind the skip rule's rates are taken over
@@ -155,7 +155,8 @@ class LookupTreePolicy(BlockPolicy):
     continuation promises more, 1 + sum_k a_n(k) tokens in a round without the drafter pass, than the drafted
     rounds deliver per second, skips the pass and verifies the continuation alone (until rounds without it were
     timed, their cost is taken as ``SKIP_PRIOR`` of a drafted round's; the timings are the ``stats``', so they too
-    carry over from earlier calls). Without a clock every round drafts (replayable). Whatever is skipped, the output is the target's: only which positions are verified changes.
+    carry over from earlier calls). Without a clock every round drafts (replayable). Whatever is skipped, the output
+    is the target's: only which positions are verified changes.
     ``skipped``: per round, whether the drafter was skipped.
     """
 
