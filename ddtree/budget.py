@@ -260,7 +260,8 @@ class AutoBudget(BlockPolicy):
         self.built: list[int] = []  # nodes built each round (for studies)
         self._building = 0  # nodes built so far in the round in flight
         self.skipped: list[bool] = []  # per round: the drafter skipped (for studies)
-        self._skipping, self._window = False, 0  # skipping now; memory.appended where the deciding rounds begin
+        # skipping now; memory.appended where the deciding rounds begin: a call judges the drafter on its own rounds
+        self._skipping, self._window = False, self.memory.appended
         self._plain = self.memory.plain  # the last rounds without the drafter, in multiples of verify(0)
         self._plain_open: tuple[float, int] | None = None  # (clock, history length) of the skipped round in flight
         self._confirmed = False  # the skipping was judged at the timed price of a plain step
@@ -300,7 +301,8 @@ class AutoBudget(BlockPolicy):
 
     def wants_draft(self, history: list[int]) -> bool:
         """Whether this round runs the drafter (class docstring). Without a clock: always. With one, the drafted
-        rounds since the policy last began skipping (at most ``SKIP_LOOKBACK``) decide: while drafting, it begins to
+        rounds since the call began or the policy last began skipping (at most ``SKIP_LOOKBACK``) decide; an earlier
+        call's rounds do not, since another prompt's text says little about this one's. While drafting, it begins to
         skip once ``SKIP_AFTER`` of them committed fewer tokens per second than plain steps (:meth:`plain_seconds`);
         while skipping, once the plain step is timed it judges those rounds again, then drafts every
         ``PROBE_EVERY + 1``-th round (a probe) and drafts again once ``RESUME_AFTER`` probes say it pays."""

@@ -631,6 +631,22 @@ def test_a_later_call_prices_a_plain_step_by_the_rounds_an_earlier_call_timed():
     assert fresh.plain_seconds() == pytest.approx(float(measured.verify(0)))
 
 
+def test_a_later_call_judges_the_drafter_on_its_own_rounds():
+    """A call whose drafter did not pay ends skipping; the next call on the same memory (another prompt) drafts from
+    its first round and begins to skip only after ``SKIP_AFTER`` of its own drafted rounds did not pay either. (It
+    used to inherit the skip and spend 16 rounds before its first probe: a whole short answer.)"""
+    from ddtree.budget import SKIP_AFTER
+
+    measured = CostModel((0, 4, 16, 32), (0.010, 0.011, 0.014, 0.020), fixed_s=0.020)
+    memory = RoundMemory()
+    clock = FakeClock()
+    drafted, history = _skip_rounds(AutoBudget(measured, cap=16, clock=clock, memory=memory), clock, 40, 0, [1, 2, 3])
+    assert not drafted[-1]  # the first call ended skipping
+    later = AutoBudget(measured, cap=16, clock=(later_clock := FakeClock()), memory=memory)
+    drafted, _ = _skip_rounds(later, later_clock, 40, 0, [4, 5, 6])
+    assert drafted.index(False) == SKIP_AFTER
+
+
 def test_auto_skipping_the_drafter_is_lossless_and_drafts_less():
     """On the loop: a clocked ``auto`` whose drafter never pays (a random tiny drafter, a curve on which the drafter's
     pass costs as much as a plain step) verifies the root alone in most rounds, runs the drafter only on its
