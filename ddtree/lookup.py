@@ -37,12 +37,22 @@ What the branches learnt (the counts above and the skip rule's round timings, :c
 calibration: a fresh call on copy-heavy text verifies the continuation a previous call found reliable instead of
 learning it again over the three to eight rounds of a short answer. A call begins with the carried counts of each
 match length weighed as at most ``LookupStats.CARRY`` rounds, so the rounds of the call at hand soon outweigh them.
+
+**Where a fresh memory starts.** Not from nothing: ``lookup_prior.json`` holds what continuations did in the target's
+own answers to the drafter's training prompts (the training-response shards shipped with the embedded drafter; no
+benchmark prompt among them), walked as prompt lookup walks them (``python -m experiments.studies.lookup_prior``
+rebuilds it). There a continuation's first token held for 24% of one-token matches and 73% of three-token ones, and
+deeper tokens held for 55-94%, rising with depth, where the flat priors say 1/2 for every match length. A fresh call
+therefore verifies more of a three-token match's continuation and less of a one-token match's than it did, and its
+own rounds still outweigh the prior after a few rounds (it weighs as ``CARRY`` rounds).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections import deque
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -96,24 +106,44 @@ class LookupStats:
     skip rule's timings: ``timed[False]`` / ``timed[True]`` the (duration, committed tokens) of the last ``WINDOW``
     rounds with / without the drafter, durations in multiples of the ``auto`` curve's ``verify(0)`` (seconds under a
     fixed budget), so that rounds timed at other context lengths compare. Held by an ``auto`` policy's
-    :class:`~ddtree.budget.RoundMemory` (``memory.lookup``), it carries over from one call to the next."""
+    :class:`~ddtree.budget.RoundMemory` (``memory.lookup``), it carries over from one call to the next. New
+    statistics start from the corpus prior (``prior=True``, :meth:`corpus_counts`) weighed as ``CARRY`` rounds per
+    match length, as if carried from earlier calls; ``prior=False``: from nothing (the flat Beta priors alone).
+    ``seeded``: the prior's share of ``counts``, weighed down with them as real rounds accumulate."""
 
     CARRY = 8  # rounds of depth 1 per match length that earlier calls weigh as, at most, when a call begins
     WINDOW = 64  # rounds of each kind the skip rule's rates are taken over
+    PRIOR_FILE = Path(__file__).with_name("lookup_prior.json")  # python -m experiments.studies.lookup_prior
 
-    def __init__(self, max_ngram: int, num_tokens: int) -> None:
-        self.counts = np.zeros((max_ngram + 1, num_tokens + 1, 2))
-        self._base = self.counts.copy()  # the counts when the call began: what the call learnt is the difference
+    def __init__(self, max_ngram: int, num_tokens: int, prior: bool = True) -> None:
+        self.counts, self.prior = np.zeros((max_ngram + 1, num_tokens + 1, 2)), prior
+        if prior:
+            self.counts += self.corpus_counts(max_ngram, num_tokens)
+        self.seeded = self.counts.copy()  # the prior's share of ``counts`` (weighed with them)
+        self.begin_call()  # (sets ``_base``: the counts when the call began; what the call learnt is the difference)
         self.timed: dict[bool, deque] = {False: deque(maxlen=self.WINDOW), True: deque(maxlen=self.WINDOW)}
 
     @classmethod
-    def held_by(cls, memory, max_ngram: int, num_tokens: int) -> "LookupStats":
-        """The statistics ``memory`` holds (new ones on first use; ``memory`` None: new ones held by none), weighed
-        for a call that begins now (class docstring)."""
+    def corpus_counts(cls, max_ngram: int, num_tokens: int) -> np.ndarray:
+        """The counts ``PRIOR_FILE`` holds (the module docstring: what continuations did in the target's answers to
+        the drafter's training prompts), in this shape: a depth the file does not reach stays empty (priced by the
+        pooled rate), and a match length above the file's takes the file's longest (a longer match is at least as
+        reliable)."""
+        table = np.asarray(json.loads(cls.PRIOR_FILE.read_text(encoding="utf-8"))["counts"], dtype=float)
+        out = np.zeros((max_ngram + 1, num_tokens + 1, 2))
+        depths = min(num_tokens, table.shape[1] - 1) + 1
+        for n in range(1, max_ngram + 1):
+            out[n, :depths] = table[min(n, table.shape[0] - 1), :depths]
+        return out
+
+    @classmethod
+    def held_by(cls, memory, max_ngram: int, num_tokens: int, prior: bool = True) -> "LookupStats":
+        """The statistics ``memory`` holds (new ones on first use, from the corpus prior unless ``prior`` is False;
+        ``memory`` None: new ones held by none), weighed for a call that begins now (class docstring)."""
         shape = (max_ngram + 1, num_tokens + 1, 2)
         stats = getattr(memory, "lookup", None)
         if stats is None:
-            stats = cls(max_ngram, num_tokens)
+            stats = cls(max_ngram, num_tokens, prior)
             if memory is not None:
                 memory.lookup = stats
         elif stats.counts.shape != shape:
@@ -128,14 +158,23 @@ class LookupStats:
         tried = self.counts[:, 1, 1]
         scale = np.minimum(1.0, self.CARRY / np.maximum(tried, 1e-12))
         self.counts *= scale[:, None, None]
+        self.seeded *= scale[:, None, None]
         self._base = self.counts.copy()
 
     def add_to(self, memory) -> None:
         """Add what these statistics learnt since their call began to ``memory``'s (a fork's to the memory it was
         forked from: :meth:`~ddtree.budget.RoundMemory.absorb`); a batch times no rounds, so no timings go."""
         if memory.lookup is None:
-            memory.lookup = type(self)(self.counts.shape[0] - 1, self.counts.shape[1] - 1)
+            memory.lookup = type(self)(self.counts.shape[0] - 1, self.counts.shape[1] - 1, self.prior)
         memory.lookup.counts += self.counts - self._base
+
+    def record(self, n: int, verified: int, accepted: int) -> None:
+        """One round's walk along a match-length-``n`` continuation of which the first ``verified`` depths were
+        verified: the target accepted it through depth ``accepted``. The depths tried are the accepted ones and the
+        first miss (a depth below a miss was never put to the test)."""
+        tried = min(verified, accepted + 1)
+        self.counts[n, 1:tried + 1, 1] += 1
+        self.counts[n, 1:min(accepted, tried) + 1, 0] += 1
 
 
 class LookupTreePolicy(BlockPolicy):
@@ -147,16 +186,19 @@ class LookupTreePolicy(BlockPolicy):
 
     ``lookup_committed``: per round, how many committed tokens were lookup nodes. ``stats``: what the branches
     learnt (:class:`LookupStats`), the ``auto`` policy's memory's (``budget.memory.lookup``) under ``auto``, so it
-    carries over to the next call that policy's memory is given to; the policy's own otherwise.
+    carries over to the next call that policy's memory is given to; the policy's own otherwise. ``prior``: whether
+    statistics made new here start from the corpus prior (:class:`LookupStats`).
 
     Skipping the drafter (``clock``, e.g. ``time.perf_counter``; what ``ddtree_generate(lookup=True)`` passes): the
     policy times its rounds (the clock between consecutive :meth:`wants_draft` calls spans one whole round) and keeps
     the committed tokens per second of rounds with the drafter and the seconds of rounds without it. A round whose
     continuation promises more, 1 + sum_k a_n(k) tokens in a round without the drafter pass, than the drafted
-    rounds deliver per second, skips the pass and verifies the continuation alone (until rounds without it were
-    timed, their cost is taken as ``SKIP_PRIOR`` of a drafted round's; the timings are the ``stats``', so they too
-    carry over from earlier calls). Without a clock every round drafts (replayable). Whatever is skipped, the output
-    is the target's: only which positions are verified changes.
+    rounds deliver per second, skips the pass and verifies the continuation alone. The promise is taken from the
+    rounds the memory saw, not from the corpus prior: a prior fit to many kinds of text may set the tree's
+    composition, where a node costs a fraction of a round, but not forgo the drafter's tokens for a whole round. Until
+    rounds without the drafter were timed, their cost is taken as ``SKIP_PRIOR`` of a drafted round's; the timings
+    are the ``stats``', so they too carry over from earlier calls. Without a clock every round drafts (replayable).
+    Whatever is skipped, the output is the target's: only which positions are verified changes.
     ``skipped``: per round, whether the drafter was skipped.
     """
 
@@ -166,7 +208,7 @@ class LookupTreePolicy(BlockPolicy):
     PRIOR = 2.0  # pseudo-trials at the pooled rate of a continuation depth >= 2 (module docstring)
 
     def __init__(self, budget: int | AutoBudget, max_ngram: int = 3, num_tokens: int = 32,
-                 clock=None) -> None:
+                 clock=None, prior: bool = True) -> None:
         if num_tokens < 1:
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
         self.auto = budget if isinstance(budget, AutoBudget) else None
@@ -176,7 +218,8 @@ class LookupTreePolicy(BlockPolicy):
         self.max_ngram, self.num_tokens = max_ngram, num_tokens
         self.name = "lookup-auto" if self.auto is not None else f"lookup-tree-{budget}"
         self.index = NgramIndex(max_ngram)
-        self.stats = LookupStats.held_by(self.auto.memory if self.auto is not None else None, max_ngram, num_tokens)
+        self.stats = LookupStats.held_by(self.auto.memory if self.auto is not None else None, max_ngram, num_tokens,
+                                         prior)
         self.counts = self.stats.counts  # [n, k]: [accepted given depth k - 1 accepted, trials] (LookupStats)
         self._round: tuple[int, list[int]] | None = None  # (match length, node index per continuation depth)
         self._drafter_nodes: dict[int, int] | None = None  # auto: merged node -> position among the drafter's
@@ -194,7 +237,8 @@ class LookupTreePolicy(BlockPolicy):
             unit = float(self.auto.curve.verify(0)) if self.auto is not None else 1.0  # (LookupStats)
             self._timed[skipped].append(((now - began) / unit, len(history) - length))
         self._lookup = self._match(history)
-        skip = now is not None and self._skip_pays(self._lookup[2])
+        n, continuation, _ = self._lookup
+        skip = now is not None and bool(continuation) and self._skip_pays(self.estimates(n, len(continuation), True))
         self._open = (now, len(history), skip) if now is not None else None
         return not skip
 
@@ -224,10 +268,11 @@ class LookupTreePolicy(BlockPolicy):
     def calibration_s(self) -> float:
         return self.auto.calibration_s if self.auto is not None else 0.0
 
-    def estimates(self, n: int, m: int) -> list[float]:
+    def estimates(self, n: int, m: int, seen_only: bool = False) -> list[float]:
         """a_n(1..m): the learned probability that the target accepts a match-length-n continuation through depth k
-        (the module docstring: depth 1 on its own, deeper cells shrunk towards the pooled rate's predictive)."""
-        cells = self.counts[n]
+        (the module docstring: depth 1 on its own, deeper cells shrunk towards the pooled rate's predictive).
+        ``seen_only``: from the rounds this memory saw, without the corpus prior (what the skip rule decides on)."""
+        cells = self.counts[n] - self.stats.seeded[n] if seen_only else self.counts[n]
         hits, trials = cells[2:].sum(axis=0)
         out, a = [], 1.0
         for k in range(1, m + 1):
@@ -294,7 +339,5 @@ class LookupTreePolicy(BlockPolicy):
         depth = 0
         while depth < len(placed) and placed[depth] in on_path:
             depth += 1
-        tried = min(len(placed), depth + 1)  # depths tried: all accepted ones and the first miss
-        self.counts[n, 1:tried + 1, 1] += 1
-        self.counts[n, 1:min(depth, tried) + 1, 0] += 1
+        self.stats.record(n, len(placed), depth)
         self.lookup_committed.append(depth)

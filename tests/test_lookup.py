@@ -195,7 +195,7 @@ def test_deep_continuation_cells_take_their_match_lengths_pooled_predictive():
     estimates are 1/2 * 1/k (E[p^(k-1)] under a flat prior), not 2^-k."""
     from ddtree.lookup import LookupTreePolicy
 
-    policy = LookupTreePolicy(8, max_ngram=2, num_tokens=6)
+    policy = LookupTreePolicy(8, max_ngram=2, num_tokens=6, prior=False)  # (the corpus prior: its own test)
     policy.counts[2][1] = [9, 10]  # depth 1: 9 of 10 rounds
     policy.counts[2][2] = [17, 18]  # depth 2: 17 of 18; deeper depths never tried
     first = (9 + 1) / (10 + 2)
@@ -219,8 +219,9 @@ def test_a_call_starts_from_what_earlier_calls_on_its_memory_learnt():
 
     curve = CostModel((0, 4, 16), (0.010, 0.011, 0.014), fixed_s=0.010)
 
-    def policy(memory, num_tokens=6):
-        return LookupTreePolicy(AutoBudget(curve, cap=16, memory=memory), max_ngram=2, num_tokens=num_tokens)
+    def policy(memory, num_tokens=6):  # from the flat priors alone (the corpus prior: its own test)
+        return LookupTreePolicy(AutoBudget(curve, cap=16, memory=memory), max_ngram=2, num_tokens=num_tokens,
+                                prior=False)
 
     memory = RoundMemory()
     first = policy(memory)
@@ -248,6 +249,82 @@ def test_a_call_starts_from_what_earlier_calls_on_its_memory_learnt():
     assert memory.lookup.counts[1, 1] == pytest.approx(before[1, 1] + [1, 2])
     with pytest.raises(ValueError, match="num_tokens=6"):
         policy(memory, num_tokens=5)
+
+
+def test_a_fresh_memory_starts_from_the_corpus_prior_weighed_as_carried_rounds():
+    """New statistics hold the shipped corpus counts (``lookup_prior.json``) weighed as ``CARRY`` rounds of depth 1
+    per match length, proportions kept, so a fresh call prices a three-token match's continuation above a one-token
+    match's (the flat priors price both at 1/2); a match length above the file's takes its longest, a depth beyond
+    it stays empty; a batch's memory made new keeps the fork's choice; ``prior=False`` starts from nothing."""
+    import json
+
+    from ddtree import RoundMemory
+    from ddtree.lookup import LookupStats, LookupTreePolicy
+
+    file = np.asarray(json.loads(LookupStats.PRIOR_FILE.read_text())["counts"], dtype=float)
+    top, deepest = file.shape[0] - 1, file.shape[1] - 1
+    stats = LookupStats(top + 2, deepest + 4)
+    for n in range(1, top + 3):
+        row = file[min(n, top)]
+        assert stats.counts[n, 1, 1] == pytest.approx(LookupStats.CARRY)
+        assert stats.counts[n, :deepest + 1] == pytest.approx(row * LookupStats.CARRY / row[1, 1])
+    assert not stats.counts[:, deepest + 1:].any() and not stats.counts[0].any()
+    fresh = LookupTreePolicy(8, max_ngram=top, num_tokens=deepest)
+    first = [fresh.estimates(n, 1)[0] for n in range(1, top + 1)]
+    assert first == pytest.approx([(LookupStats.CARRY * file[n, 1, 0] / file[n, 1, 1] + 1) / (LookupStats.CARRY + 2)
+                                   for n in range(1, top + 1)])
+    assert first[0] < 0.5 < first[-1] and first == sorted(first)
+    assert not LookupTreePolicy(8, max_ngram=top, num_tokens=deepest, prior=False).counts.any()
+    for prior in (True, False):
+        fork_stats = LookupStats(2, 6, prior=prior)
+        memory = RoundMemory()
+        fork_stats.add_to(memory)
+        assert memory.lookup.prior is prior and memory.lookup.counts == pytest.approx(LookupStats(2, 6, prior).counts)
+
+
+def test_the_skip_rule_decides_on_the_rounds_the_memory_saw_not_on_the_corpus_prior():
+    """The corpus prior prices the tree's nodes, but skipping the drafter for a round needs the rounds' own evidence:
+    where the prior's promise of a continuation would pay for a skip and the flat priors' would not, a fresh policy
+    still drafts; once its own rounds show the continuation holding, it skips."""
+    from ddtree.lookup import LookupTreePolicy
+
+    history = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]  # the suffix 1 2 3 occurred before: a 3-token match, 7 tokens follow
+    policy = LookupTreePolicy(8, max_ngram=3, num_tokens=7)
+    promised = [1 + sum(policy.estimates(3, 7, seen_only)) for seen_only in (False, True)]
+    tokens = (promised[0] + promised[1]) / 2 / policy.SKIP_PRIOR  # drafted rounds: 1 s each, this many tokens
+    policy.clock = lambda: 0.0
+    policy._timed[False].extend([(1.0, tokens)] * policy.SKIP_WARMUP)
+    assert promised[0] > promised[1] and policy.wants_draft(history)  # the prior alone would have skipped
+    policy.counts[3, 1:8] += [5, 5]  # five rounds that held through depth 7
+    assert not policy.wants_draft(history)
+
+
+def test_lookup_prior_walk_counts_what_a_brute_force_scan_of_each_round_finds():
+    """``experiments.studies.lookup_prior.walk`` against rounds walked with a scan of the context (the index's own
+    oracle above): each round takes the latest earlier match's continuation, tests it as far as the sequence goes,
+    and moves past the accepted tokens and one more."""
+    from experiments.studies.lookup_prior import table, walk
+
+    rng = random.Random(7)
+    sequences = [([rng.randrange(4) for _ in range(rng.randrange(5, 60))], rng.randrange(1, 5)) for _ in range(40)]
+    want = np.zeros((4, 7, 2))
+    for ids, start in sequences:
+        t = start
+        while t < len(ids):
+            n, continuation = _brute_force(ids[:t], 3, 6)
+            accepted = 0
+            if n and continuation:
+                reach = min(len(continuation), len(ids) - t)
+                while accepted < reach and continuation[accepted] == ids[t + accepted]:
+                    accepted += 1
+                for k in range(1, min(reach, accepted + 1) + 1):
+                    want[n, k] += [k <= accepted, 1]
+            t += accepted + 1
+    got = walk(sequences, max_ngram=3, num_tokens=6)
+    assert want[:, 1, 1].sum() > 100 and (want[:, 2:, 0] > 0).any()  # the walk tested deep continuations
+    np.testing.assert_array_equal(got.counts, want)
+    record = table(got, {})
+    assert record["counts"] == want.astype(int).tolist() and record["max_ngram"] == 3 and record["num_tokens"] == 6
 
 
 def test_lookup_statistics_carry_over_calls_and_come_back_from_a_batch(monkeypatch):

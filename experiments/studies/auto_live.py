@@ -11,6 +11,8 @@ prompt, outputs checked equal. Variants (``--variants``):
 * ``auto_fresh``  -- with a cost curve measured now, in this process (not the cached one), per context bucket;
 * ``lookup``      -- DDTree with lookup branches under ``auto`` (``lookup=True``), a fresh memory per call;
 * ``lookup_mem``  -- the same with one memory carried from prompt to prompt (its lookup statistics with it);
+* ``lookup_flat`` -- ``lookup`` whose fresh statistics start from the flat priors, not the corpus prior
+  (:class:`ddtree.lookup.LookupStats`);
 * ``pld``         -- prompt lookup without a drafter (:func:`dflash_core.lookup_generate`).
 
 ``--repeats 2`` runs each prompt's variants forwards and then backwards (A B B A) and pools their decode time (a
@@ -44,6 +46,8 @@ def make_runner(target, draft, stops: list[int]):
     ``ids``). ``again=True`` (a repeated pass over the prompt): a carried memory starts from what it held when the
     prompt's first pass began, not from what that pass learnt about this very prompt."""
     from ddtree import RoundMemory, ddtree_generate, make_policy
+    from ddtree.budget import AutoBudget
+    from ddtree.lookup import LookupTreePolicy
     from ddtree.cost import context_bucket, measure_cost_model
     from dflash_core import lookup_generate
 
@@ -65,6 +69,9 @@ def make_runner(target, draft, stops: list[int]):
             return make_policy(int(variant[1:]))
         if variant in ("lookup", "lookup_mem"):
             return make_policy("auto", target, draft, lookup=True, context=length, memory=memory)
+        if variant == "lookup_flat":
+            return LookupTreePolicy(AutoBudget.for_models(target, draft, context=length), clock=time.perf_counter,
+                                    prior=False)
         options = {"auto": {}, "auto_off": {"online": False}, "auto_mem": {"memory": memory}}.get(variant)
         if variant == "auto_fresh":
             bucket = context_bucket(length)
@@ -73,7 +80,7 @@ def make_runner(target, draft, stops: list[int]):
             options = {"cost": curves[bucket]}
         if options is None:
             raise ValueError(f"unknown variant {variant!r}: B<n>, auto, auto_off, auto_mem, auto_fresh, lookup, "
-                             "lookup_mem or pld")
+                             "lookup_mem, lookup_flat or pld")
         return make_policy("auto", target, draft, context=length, **options)
 
     def run(variant: str, ids: torch.Tensor, max_new_tokens: int, again: bool = False) -> dict:
