@@ -129,7 +129,12 @@ class LookupStats:
         the drafter's training prompts), in this shape: a depth the file does not reach stays empty (priced by the
         pooled rate), and a match length above the file's takes the file's longest (a longer match is at least as
         reliable)."""
-        table = np.asarray(json.loads(cls.PRIOR_FILE.read_text(encoding="utf-8"))["counts"], dtype=float)
+        try:
+            table = np.asarray(json.loads(cls.PRIOR_FILE.read_text(encoding="utf-8"))["counts"], dtype=float)
+        except (OSError, ValueError, KeyError) as e:
+            raise FileNotFoundError(f"the lookup branches' corpus prior {cls.PRIOR_FILE} is missing or unreadable "
+                                    f"({e}): reinstall the toolkit, rebuild it with `python -m "
+                                    "experiments.studies.lookup_prior`, or pass prior=False") from e
         out = np.zeros((max_ngram + 1, num_tokens + 1, 2))
         depths = min(num_tokens, table.shape[1] - 1) + 1
         for n in range(1, max_ngram + 1):

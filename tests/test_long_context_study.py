@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import experiments.studies.long_context as study
 
 
@@ -24,6 +26,14 @@ def test_records_every_context_and_a_rerun_measures_only_the_missing(tmp_path, m
     study.main(args + ["--contexts", "20,60,90"])
     assert measured == [90]
     assert [json.loads(line)["asked_context"] for line in out.read_text().splitlines()] == [20, 60, 90]
+    before = out.read_text()
+    other = {"--max-new-tokens": ("5", "7", "max_new_tokens 5 there, 7 now"),
+             "--methods": ("4", "4,8", "no DDTree budget 8 there")}
+    for flag, (old, new, why) in other.items():  # a rerun with other settings must not mix its records in
+        changed = [new if a == old and args[i - 1] == flag else a for i, a in enumerate(args)]
+        with pytest.raises(ValueError, match=why):
+            study.main(changed + ["--contexts", "20,60,90,120"])
+    assert out.read_text() == before and measured == [90]
 
 
 def test_the_summary_table_and_figure(tmp_path, monkeypatch):

@@ -275,6 +275,11 @@ def test_a_fresh_memory_starts_from_the_corpus_prior_weighed_as_carried_rounds()
                                    for n in range(1, top + 1)])
     assert first[0] < 0.5 < first[-1] and first == sorted(first)
     assert not LookupTreePolicy(8, max_ngram=top, num_tokens=deepest, prior=False).counts.any()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LookupStats, "PRIOR_FILE", LookupStats.PRIOR_FILE.with_name("no_such_prior.json"))
+        with pytest.raises(FileNotFoundError, match="prior=False"):
+            LookupStats(2, 6)
+        assert not LookupStats(2, 6, prior=False).counts.any()
     for prior in (True, False):
         fork_stats = LookupStats(2, 6, prior=prior)
         memory = RoundMemory()

@@ -152,9 +152,10 @@ def main(argv=None) -> None:
     from dflash_core.default import stop_token_ids
     from dflash_core.timing import machine_identity
     from experiments.bench.conversation import benchmark_prompts
+    from experiments.bench.models import resolve_dtype
     from experiments.bench.schema import write_text_atomic
 
-    dtype = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    dtype = None if args.dtype == "auto" else resolve_dtype(args.dtype, torch.device("cpu"))  # auto: the device's
     target, draft, tokenizer = load_default_pair(dtype)
     apply_cpu_kernels(target, draft, kernels="auto")
     run = make_runner(target, draft, stop_token_ids(tokenizer))

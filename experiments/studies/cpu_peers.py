@@ -375,16 +375,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     import transformers
     from dflash_core import load_default_pair
     from dflash_core.cpu_kernels import apply_cpu_kernels
-    from dflash_core.default import default_dtype, stop_token_ids
+    from dflash_core.default import stop_token_ids
     from dflash_core.training.pools.catalog import build_chat
     from dflash_core.timing import machine_identity
     from experiments.bench.conversation import benchmark_prompts
+    from experiments.bench.models import resolve_dtype
     from experiments.bench.schema import write_json_atomic
     from experiments.bench.session import WARMUP_PROMPT
 
     transformers.utils.logging.set_verbosity_error()
     device = torch.device("cpu")
-    dtype = {"auto": default_dtype(device), "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    dtype = resolve_dtype(args.dtype, device)
     target, draft, tokenizer = load_default_pair(dtype, device)
     kernels = apply_cpu_kernels(target, draft, kernels=args.cpu_kernels)
     stops = stop_token_ids(tokenizer)

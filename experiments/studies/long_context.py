@@ -11,10 +11,10 @@ ids, plain decoding only makes sense then). The embedded pair by default, with t
 applies (``--pair tiny``: a random tiny pair, for smoke runs).
 
 Each finished context is one JSON line in ``--out``; the file is rewritten atomically after each, and a rerun skips
-the contexts it already holds. After the last context, ``summary.json`` and ``summary.md`` beside it hold the table
-(context, plain step, prefill rate, tokens per second and speedup per method); ``python -m plots.long_context_figure``
-draws it. ``bash run_benchmark.sh --preset long`` runs it with answers of 1,024 tokens at 100 to 6,000 tokens of
-context and draws the figure.
+the contexts it already holds (a rerun whose settings differ from its records is refused). After the last context,
+``summary.json`` and ``summary.md`` beside it hold the table (context, plain step, prefill rate, tokens per second
+and speedup per method); ``python -m plots.long_context_figure`` draws it. ``bash run_benchmark.sh --preset long``
+runs it with answers of 1,024 tokens at 100 to 6,000 tokens of context and draws the figure.
 """
 
 from __future__ import annotations
@@ -80,6 +80,7 @@ def run(target, draft, prompt_for, contexts: list[int], budgets: list, max_new_t
     prefill rates of the contexts to measure come first (:func:`prefill_rates`; ``prefill_repeats`` 0: each
     context's plain call's own prefill)."""
     done = [json.loads(line) for line in out.read_text().splitlines() if line.strip()] if out.is_file() else []
+    _check_resumable(done, machine, budgets, out)
     have = {r["asked_context"] for r in done}
     autoregressive_generate(target, prompt_for(min(contexts))[:, :32], max_new_tokens=4)  # warm-up
     todo = [c for c in contexts if c not in have]
@@ -98,6 +99,17 @@ def run(target, draft, prompt_for, contexts: list[int], budgets: list, max_new_t
         done.append(record)
         write_text_atomic(out, "".join(json.dumps(r) + "\n" for r in done))
     return done
+
+
+def _check_resumable(done: list[dict], machine: dict, budgets: list, out: Path) -> None:
+    """A rerun adds contexts to ``out`` only where its records were measured as this run would measure them (the
+    same CPU, dtype, prompt text and answer length, and every budget asked now); else a clear error."""
+    for r in done:
+        differ = [f"{k} {r.get(k)!r} there, {v!r} now" for k, v in machine.items() if r.get(k) != v]
+        differ += [f"no DDTree budget {b} there" for b in budgets if f"ddtree_{b}" not in r]
+        if differ:
+            raise ValueError(f"{out} holds context {r.get('asked_context')} measured with other settings ("
+                             + "; ".join(differ) + "): pass another --out, or delete the file to measure anew")
 
 
 def summarize(records: list[dict], budgets: list) -> dict:
