@@ -64,8 +64,9 @@ BUILD_QUANTILE = 0.75  # the robust size: this quantile of the drafter nodes ver
 BUILD_LOOKBACK = 16  # rounds
 SKIP_LOOKBACK = 32  # drafted rounds whose rate decides whether the drafter pays (AutoBudget.wants_draft)
 SKIP_AFTER = 16  # ... at least this many before a drafting policy begins to skip
-PROBE_EVERY = 16  # a policy that skips the drafter drafts again after this many rounds without it
-RESUME_AFTER = 4  # ... and drafts every round again once this many of those probes say drafting pays
+PROBE_FIRST = 2  # a policy that skips the drafter drafts a probe round after this many rounds without it;
+PROBE_EVERY = 16  # ... the gap doubles after each probe that did not pay, up to this, and falls back after one that did
+RESUME_AFTER = 4  # ... and it drafts every round again once the last this many probes say drafting pays
 PLAIN_TIMED = 3  # rounds without the drafter timed before their median prices a plain step (until then: verify(0))
 
 
@@ -227,11 +228,16 @@ class AutoBudget(BlockPolicy):
 
     A clocked policy also skips the drafter where it does not pay (:meth:`wants_draft`): when its recent drafted
     rounds committed fewer tokens per second than plain steps would (one token per ``verify(0)`` of its curve: a
-    round of the root alone, without the drafter's pass), its rounds verify the root alone, with a probe round that
-    drafts every ``PROBE_EVERY + 1`` rounds; once the probes say drafting pays, it drafts every round again. On long
-    contexts or unpredictable text the drafter's pass then costs a probe's share instead of every round. Leaving
-    takes ``SKIP_AFTER`` drafted rounds and coming back ``RESUME_AFTER`` probes, so that the noise of a few rounds
-    (tokens per round vary from 1 to the block) neither stops a drafter that pays nor keeps one that does not.
+    round of the root alone, without the drafter's pass), its rounds verify the root alone, with probe rounds that
+    draft: the first after ``PROBE_FIRST`` rounds without the drafter (or once the skip is confirmed at the timed
+    price of a plain step, below), the gap doubling after each probe that did not pay (up to ``PROBE_EVERY``) and
+    falling back to ``PROBE_FIRST`` after one that did; once the last
+    ``RESUME_AFTER`` probes say drafting pays, it drafts every round again. On long contexts or unpredictable text
+    the drafter's pass then costs a probe's share instead of every round, while a skip begun on a hard stretch of
+    text ends a few rounds after it (with probes every 17 rounds, a skip lasted at least 68 rounds, about 13% of a
+    1,024-token answer that drafting would have doubled). Leaving takes ``SKIP_AFTER`` drafted rounds and coming back
+    ``RESUME_AFTER`` probes, so that the noise of a few rounds (tokens per round vary from 1 to the block) neither
+    stops a drafter that pays nor keeps one that does not.
     The rounds without the drafter are timed (from one :meth:`wants_draft` to the next) and kept in the memory as
     multiples of the curve's ``verify(0)``, so a later call, at any context length, starts with them: once
     ``PLAIN_TIMED`` were, the median of the last 16 times the curve's ``verify(0)`` prices a plain step instead of
@@ -265,6 +271,7 @@ class AutoBudget(BlockPolicy):
         self._plain = self.memory.plain  # the last rounds without the drafter, in multiples of verify(0)
         self._plain_open: tuple[float, int] | None = None  # (clock, history length) of the skipped round in flight
         self._confirmed = False  # the skipping was judged at the timed price of a plain step
+        self._gap = PROBE_FIRST  # rounds without the drafter before the next probe
 
     @classmethod
     def for_models(cls, target, draft, cap: int | None = None, cost: CostModel | None = None,
@@ -305,25 +312,29 @@ class AutoBudget(BlockPolicy):
         call's rounds do not, since another prompt's text says little about this one's. While drafting, it begins to
         skip once ``SKIP_AFTER`` of them committed fewer tokens per second than plain steps (:meth:`plain_seconds`);
         while skipping, once the plain step is timed it judges those rounds again, then drafts every
-        ``PROBE_EVERY + 1``-th round (a probe) and drafts again once ``RESUME_AFTER`` probes say it pays."""
+        probe rounds (their gaps: class docstring) and drafts again once the last ``RESUME_AFTER`` probes say it
+        pays."""
         if self.clock is None:
             return True
         now = self.clock() if self._plain_open is not None else None  # read only around rounds without the drafter
         self._time_plain(history, now)
         since = self.memory.appended - self._window
         recent = list(itertools.islice(reversed(self.memory.rounds), min(since, SKIP_LOOKBACK)))
-        pays = sum(r.tokens for r in recent) * self.plain_seconds() >= sum(r.seconds for r in recent)
+        pays = self._pays(recent)
         if not self._skipping:
             if len(recent) >= SKIP_AFTER and not pays:
-                self._skipping, self._confirmed = True, False
+                self._skipping, self._confirmed, self._gap = True, False, PROBE_FIRST
             return self._time_if_skipped(not self._skipping, history, now)
+        if self.skipped and not self.skipped[-1] and self.memory.rounds:  # the round just verified was a probe
+            paid = self._pays([self.memory.rounds[-1]])
+            self._gap = PROBE_FIRST if paid else min(2 * self._gap, PROBE_EVERY)
         if not self._confirmed and len(self._plain) >= PLAIN_TIMED:
             self._confirmed = True  # the rounds that began the skipping, at the plain step's timed price
             if pays:
                 self._skipping = False
                 return True
             self._window = self.memory.appended  # the probes start a fresh window
-        elif self._confirmed and len(recent) >= RESUME_AFTER and pays:
+        elif self._confirmed and len(recent) >= RESUME_AFTER and self._pays(recent[:RESUME_AFTER]):
             self._skipping = False
             return True
         run = 0
@@ -331,7 +342,11 @@ class AutoBudget(BlockPolicy):
             if not skipped:
                 break
             run += 1
-        return self._time_if_skipped(run >= PROBE_EVERY, history, now)
+        return self._time_if_skipped(self._confirmed and run >= self._gap, history, now)  # (probes: once confirmed)
+
+    def _pays(self, rounds) -> bool:
+        """Whether ``rounds`` (drafted) committed at least as many tokens per second as plain steps would."""
+        return sum(r.tokens for r in rounds) * self.plain_seconds() >= sum(r.seconds for r in rounds)
 
     def plain_seconds(self) -> float:
         """Seconds of a round without the drafter: the curve's ``verify(0)``, times the median of the last timed

@@ -570,11 +570,27 @@ def _skip_rounds(policy, clock, rounds, accept, history, plain_s=None):
     return drafted, history
 
 
+def _unpaid_probes(rounds: int) -> list[int]:
+    """Where the probes of a skip fall (counted from its first round without the drafter) while none pays: after
+    ``PROBE_FIRST`` rounds without the drafter, or ``PLAIN_TIMED`` on a fresh memory (the plain step's price is timed
+    first), the gap doubling after each, up to ``PROBE_EVERY``."""
+    from ddtree.budget import PLAIN_TIMED, PROBE_EVERY, PROBE_FIRST
+
+    probes, gap, at = [], PROBE_FIRST, max(PROBE_FIRST, PLAIN_TIMED)
+    while at < rounds:
+        probes.append(at)
+        gap = min(2 * gap, PROBE_EVERY)
+        at += gap + 1
+    return probes
+
+
 def test_auto_skips_the_drafter_where_it_does_not_pay_and_probes_to_come_back():
     """A drafter pass of 20 ms in front of 10 ms plain steps pays only when a round commits more than 3 tokens. While
-    the target accepts nothing, a clocked ``auto`` verifies the root alone after ``SKIP_AFTER`` drafted rounds,
-    drafting one round in every ``PROBE_EVERY + 1``; once the target accepts 5 nodes a round, ``RESUME_AFTER``
-    probes see it and every round drafts again. Without a clock (replayable) it always drafts."""
+    the target accepts nothing, a clocked ``auto`` verifies the root alone after ``SKIP_AFTER`` drafted rounds, with
+    probe rounds that draft, the first once the plain step's price is timed and then at gaps of 4, 8 and 16 rounds;
+    once the target accepts 5 nodes a round, a probe that sees it brings the gap back to ``PROBE_FIRST``, and once the
+    last ``RESUME_AFTER`` probes pay every round drafts again: within 32 rounds, where probes every 17 rounds took 68
+    and more. Without a clock (replayable) it always drafts."""
     from ddtree.budget import PROBE_EVERY, RESUME_AFTER, SKIP_AFTER
 
     measured = CostModel((0, 4, 16, 32), (0.010, 0.011, 0.014, 0.020), fixed_s=0.020)
@@ -584,11 +600,12 @@ def test_auto_skips_the_drafter_where_it_does_not_pay_and_probes_to_come_back():
     first = drafted.index(False)
     assert first == SKIP_AFTER
     tail = drafted[first:]
-    assert [i for i, d in enumerate(tail) if d] == list(range(PROBE_EVERY, len(tail), PROBE_EVERY + 1))
-    assert policy.skipped[first:] == [not d for d in tail]
+    assert [i for i, d in enumerate(tail) if d] == _unpaid_probes(len(tail))
+    assert policy.skipped[first:] == [not d for d in tail] and policy._gap == PROBE_EVERY
     drafted, _ = _skip_rounds(policy, clock, 100, 5, history)
-    back = drafted.index(True) + RESUME_AFTER * (PROBE_EVERY + 1)  # the probes that tell it, then every round
-    assert all(drafted[back:]) and back < 90
+    back = len(drafted) - drafted[::-1].index(False)  # drafting every round from here on
+    assert drafted.index(True) <= PROBE_EVERY and all(drafted[back:])
+    assert back < 2 * PROBE_EVERY < RESUME_AFTER * (PROBE_EVERY + 1)  # the old spacing: 68 rounds and more
     replayable = AutoBudget(measured, cap=16)
     assert all(_skip_rounds(replayable, FakeClock(), 40, 0, [1, 2, 3])[0])
 
@@ -610,7 +627,8 @@ def test_auto_prices_a_plain_step_by_its_timed_rounds_and_takes_back_a_skip_that
     assert drafted[first:first + PLAIN_TIMED] == [False] * PLAIN_TIMED and all(drafted[first + PLAIN_TIMED:])
     cheap = AutoBudget(measured, cap=16, clock=(cheap_clock := FakeClock()))  # where a plain step is what it models
     drafted, _ = _skip_rounds(cheap, cheap_clock, 60, 2, [1, 2, 3])
-    assert drafted.index(False) == SKIP_AFTER and not any(drafted[SKIP_AFTER:SKIP_AFTER + 10])
+    tail = drafted[SKIP_AFTER:]
+    assert drafted.index(False) == SKIP_AFTER and [i for i, d in enumerate(tail) if d] == _unpaid_probes(len(tail))
 
 
 def test_a_later_call_prices_a_plain_step_by_the_rounds_an_earlier_call_timed():
@@ -648,9 +666,9 @@ def test_a_later_call_judges_the_drafter_on_its_own_rounds():
 
 
 def test_auto_skipping_the_drafter_is_lossless_and_drafts_less():
-    """On the loop: a clocked ``auto`` whose drafter never pays (a random tiny drafter, a curve on which the drafter's
-    pass costs as much as a plain step) verifies the root alone in most rounds, runs the drafter only on its
-    warm-up and probes, and gives plain decoding's tokens."""
+    """On the loop: a clocked ``auto`` whose drafter never pays (a random tiny drafter whose pass takes 20 ms on the
+    policy's clock, where a plain step takes a few ms) verifies the root alone in most rounds, runs the drafter only on
+    its warm-up and probes, and gives plain decoding's tokens."""
     from conftest import TickClock
 
     target = make_target("llama", vocab=64, dtype=torch.float32)
@@ -658,12 +676,17 @@ def test_auto_skipping_the_drafter_is_lossless_and_drafts_less():
     p = prompt(7, 6, 64)
     ref = autoregressive_generate(target, p, max_new_tokens=60).new_token_ids
     curve = CostModel((0, 4, 16), (0.010, 0.011, 0.014), fixed_s=0.010)
-    drafts = []
+    drafts, clock = [], TickClock(step=0.001)  # no test reads the wall clock
     real_draft = decoding.LiveModels.draft
+
+    def timed_draft(self, seqs, roots):
+        drafts.append(len(seqs))
+        clock.now += 0.020
+        return real_draft(self, seqs, roots)
+
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(decoding.LiveModels, "draft", lambda self, seqs, roots: drafts.append(len(seqs)) or
-                   real_draft(self, seqs, roots))
-        policy = AutoBudget(curve, cap=16, clock=TickClock().perf_counter)  # no test reads the wall clock
+        mp.setattr(decoding.LiveModels, "draft", timed_draft)
+        policy = AutoBudget(curve, cap=16, clock=clock.perf_counter)
         out = ddtree_generate(target, draft, p, max_new_tokens=60, policy=policy)
     assert out.new_token_ids == ref
     assert out.tau < 2 and sum(policy.skipped) > len(policy.skipped) / 2
