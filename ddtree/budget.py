@@ -229,15 +229,15 @@ class AutoBudget(BlockPolicy):
     A clocked policy also skips the drafter where it does not pay (:meth:`wants_draft`): when its recent drafted
     rounds committed fewer tokens per second than plain steps would (one token per ``verify(0)`` of its curve: a
     round of the root alone, without the drafter's pass), its rounds verify the root alone, with probe rounds that
-    draft: the first after ``PROBE_FIRST`` rounds without the drafter (or once the skip is confirmed at the timed
-    price of a plain step, below), the gap doubling after each probe that did not pay (up to ``PROBE_EVERY``) and
-    falling back to ``PROBE_FIRST`` after one that did; once the last
-    ``RESUME_AFTER`` probes say drafting pays, it drafts every round again. On long contexts or unpredictable text
-    the drafter's pass then costs a probe's share instead of every round, while a skip begun on a hard stretch of
-    text ends a few rounds after it (with probes every 17 rounds, a skip lasted at least 68 rounds, about 13% of a
-    1,024-token answer that drafting would have doubled). Leaving takes ``SKIP_AFTER`` drafted rounds and coming back
-    ``RESUME_AFTER`` probes, so that the noise of a few rounds (tokens per round vary from 1 to the block) neither
-    stops a drafter that pays nor keeps one that does not.
+    draft: the first after ``PROBE_FIRST`` rounds without the drafter, and not before the skip is confirmed at the
+    timed price of a plain step (below), the gap doubling after each probe that did not pay (up to ``PROBE_EVERY``)
+    and falling back to ``PROBE_FIRST`` after one that did; once the last ``RESUME_AFTER`` probes say drafting pays,
+    it drafts every round again. On long contexts or unpredictable text the drafter's pass then costs a probe's
+    share instead of every round, while a skip begun on a hard stretch of text ends a few rounds after it (with
+    probes every 17 rounds, a skip lasted at least 68 rounds, about 13% of a 1,024-token answer that drafting would
+    have doubled). Leaving takes ``SKIP_AFTER`` drafted rounds and coming back ``RESUME_AFTER`` probes, so that the
+    noise of a few rounds (tokens per round vary from 1 to the block) neither stops a drafter that pays nor keeps one
+    that does not.
     The rounds without the drafter are timed (from one :meth:`wants_draft` to the next) and kept in the memory as
     multiples of the curve's ``verify(0)``, so a later call, at any context length, starts with them: once
     ``PLAIN_TIMED`` were, the median of the last 16 times the curve's ``verify(0)`` prices a plain step instead of
@@ -311,9 +311,8 @@ class AutoBudget(BlockPolicy):
         rounds since the call began or the policy last began skipping (at most ``SKIP_LOOKBACK``) decide; an earlier
         call's rounds do not, since another prompt's text says little about this one's. While drafting, it begins to
         skip once ``SKIP_AFTER`` of them committed fewer tokens per second than plain steps (:meth:`plain_seconds`);
-        while skipping, once the plain step is timed it judges those rounds again, then drafts every
-        probe rounds (their gaps: class docstring) and drafts again once the last ``RESUME_AFTER`` probes say it
-        pays."""
+        while skipping, once the plain step is timed it judges those rounds again, then drafts probe rounds (their
+        gaps: class docstring) and drafts every round again once the last ``RESUME_AFTER`` probes say it pays."""
         if self.clock is None:
             return True
         now = self.clock() if self._plain_open is not None else None  # read only around rounds without the drafter
